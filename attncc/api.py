@@ -1,0 +1,117 @@
+"""The public entry points: attncc.compile(variant) and attncc.attention(q, k, v, ...)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import cache, codegen, ir, plan, runtime
+from .checks import check_captures, check_qkv
+from .errors import AttnccError
+from .variant import Variant
+
+KERNELS = tuple(codegen.TEMPLATES)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# (variant IR key, kernel, spec) -> (source path, loaded module): shared by every CompiledAttention
+_loaded: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype) or getattr(torch, dtype, None)
+    if dtype not in _DTYPE_NAMES:
+        raise AttnccError(f"unsupported dtype {dtype}; attncc supports float16, bfloat16 and float32")
+    return _DTYPE_NAMES[dtype]
+
+
+class CompiledAttention:
+    """A variant ready to run: specialises lazily per dtype, head dims, GQA group and device.
+
+    Call it like attncc.attention without the mods: ``kernel(q, k, v, enable_gqa=False,
+    return_lse=False)``. ``source(...)`` returns generated Triton code, ``explain()`` the
+    IR, simplified expressions and derived facts.
+    """
+
+    def __init__(self, variant: Variant):
+        if not isinstance(variant, Variant):
+            raise AttnccError(f"attncc.compile takes an attncc.Variant, got {type(variant).__name__}; "
+                              "build one with attncc.Variant(score_mod, mask_mod)")
+        self.variant = variant
+
+    def __repr__(self):
+        return f"CompiledAttention({self.variant!r})"
+
+    def _path_and_module(self, kernel: str, spec: plan.Spec, load: bool = True):
+        k = (self.variant.ir_key, kernel, spec)
+        hit = _loaded.get(k)
+        if hit is None or (load and hit[1] is None):
+            v = self.variant
+            path = cache.source_path(kernel, v.analysis.key, spec, v.name)
+            path = cache.get_or_create(path, lambda: codegen.render(
+                plan.build(kernel, v.analysis, spec, v.name, v.captures)))
+            module = runtime.load(path, spec.target == "interpreter") if load else None
+            hit = _loaded[k] = (path, module)
+        return hit
+
+    def __call__(self, query, key, value, enable_gqa: bool = False, return_lse: bool = False):
+        v = self.variant
+        if v.dropout_p > 0:
+            raise NotImplementedError("dropout_p > 0 is not implemented yet (tracked in the backward/"
+                                      "dropout issue); use dropout_p=0.0")
+        group = check_qkv(query, key, value, enable_gqa)
+        check_captures(v.captures, query.device)
+        target = runtime.target_for(query.device)
+        spec = plan.Spec(_DTYPE_NAMES[query.dtype], query.shape[-1], value.shape[-1], group, target)
+        _, module = self._path_and_module("fwd", spec)
+        scale = v.scale if v.scale is not None else 1.0 / math.sqrt(query.shape[-1])
+        out, lse = AttentionFunction.apply(query, key, value, module, target == "interpreter", scale,
+                                           *[c.tensor for c in v.captures])
+        return (out, lse) if return_lse else out
+
+    def source(self, kernel: str = "fwd", dtype=torch.bfloat16, head_dim: int = 128,
+               head_dim_v: int | None = None, gqa: int = 1, target: str | None = None) -> str:
+        """Generated Triton source of one kernel ('fwd') under a specialisation."""
+        if kernel not in KERNELS:
+            raise AttnccError(f"unknown kernel {kernel!r}; attncc generates {', '.join(KERNELS)}")
+        if target is None:
+            target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
+        spec = plan.Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target)
+        path, _ = self._path_and_module(kernel, spec, load=False)
+        return path.read_text()
+
+    def explain(self) -> str:
+        """The IR, the simplified expressions and the derived facts, as text."""
+        v, a = self.variant, self.variant.analysis
+        names = v.capture_names()
+        lines = [f"attncc variant {v.name!r}", "", "IR (as traced):",
+                 f"  score_mod = {ir.to_text(v.score_ir, names)}",
+                 f"  mask_mod  = {'None' if v.mask_ir is None else ir.to_text(v.mask_ir, names)}",
+                 "", "Simplified (sympy):", f"  score_mod = {a.score}", f"  mask_mod  = {a.mask}"]
+        if v.captures:
+            lines += ["", "Captured tensors (kernel arguments, read in place):"]
+            lines += [f"  cap{i} = {c!r}" for i, c in enumerate(v.captures)]
+        lines += ["", "Derived facts:"] + ["  " + s for s in a.facts.lines()]
+        lines += ["", f"scale = {v.scale if v.scale is not None else '1/sqrt(head_dim)'}, dropout_p = {v.dropout_p}"]
+        paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]
+        lines += ["", "Generated kernels in this process:"] + (["  " + p for p in paths] or ["  (none yet)"])
+        lines += [f"Kernel cache folder: {cache.folder()}"]
+        return "\n".join(lines)
+
+
+from .autograd import AttentionFunction  # noqa: E402  (after CompiledAttention to keep imports one-way)
+
+
+def compile(variant: Variant) -> CompiledAttention:
+    """Prepare a variant for execution; kernels are generated on first use per specialisation."""
+    return CompiledAttention(variant)
+
+
+def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
+              return_lse=False, dropout_p=0.0):
+    """FlashAttention with FlexAttention-style mods.
+
+    query (B, Hq, Lq, D), key (B, Hkv, Lkv, D), value (B, Hkv, Lkv, Dv) -> (B, Hq, Lq, Dv);
+    with return_lse=True also the float32 log-sum-exp (B, Hq, Lq), -inf for fully masked rows.
+    """
+    variant = Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p)
+    return CompiledAttention(variant)(query, key, value, enable_gqa=enable_gqa, return_lse=return_lse)

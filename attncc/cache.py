@@ -1,0 +1,66 @@
+"""Kernel source cache: on disk under config.cache_dir(), and in process.
+
+The key hashes everything the generated source depends on: the variant's canonical analysis
+key, the Spec, the kernel kind, and the bytes of attncc's own modules and templates (so a
+changed printer or template never serves stale source), under a folder named by the attncc
+and Triton versions. Files are written atomically (temp file + rename), so concurrent
+processes may race to write but never read a torn file.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from importlib.metadata import version
+
+from . import __version__, config
+from .codegen import template_dir
+from .log import logger
+
+# Counters for tests and logs: how often sources were generated vs found.
+stats = {"codegen": 0, "disk_hits": 0}
+
+
+@lru_cache(maxsize=1)
+def _code_hash() -> str:
+    h = hashlib.sha256()
+    pkg = Path(__file__).resolve().parent
+    files = sorted(pkg.rglob("*.py")) + sorted(template_dir().glob("*.jinja"))
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def folder() -> Path:
+    return config.cache_dir() / f"attncc-{__version__}-triton-{version('triton')}"
+
+
+def key(kernel: str, variant_key: str, spec) -> str:
+    text = "\n".join([kernel, variant_key, repr(spec), _code_hash()])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def source_path(kernel: str, variant_key: str, spec, name: str) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)[:40]
+    return folder() / f"{kernel}_{safe}_{key(kernel, variant_key, spec)}.py"
+
+
+def get_or_create(path: Path, generate) -> Path:
+    """Return ``path``, writing ``generate()`` there first if it does not exist yet."""
+    if path.is_file():
+        stats["disk_hits"] += 1
+        logger.debug("kernel cache hit: %s", path)
+        return path
+    text = generate()
+    stats["codegen"] += 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    logger.info("kernel cache miss: generated %s", path)
+    return path

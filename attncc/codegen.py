@@ -1,0 +1,31 @@
+"""Render a KernelPlan through the Jinja templates into Triton source: a pure function."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+from .plan import KernelPlan
+
+TEMPLATES = {"fwd": "attn_fwd.py.jinja"}
+
+
+def template_dir() -> Path:
+    """templates/ beside the package (source checkout) or inside it (installed wheel)."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "templates", here.parent / "templates"):
+        if (d / "header.py.jinja").is_file():
+            return d
+    raise FileNotFoundError(f"attncc templates not found next to {here}; reinstall attncc")
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def render(plan: KernelPlan) -> str:
+    return _env().get_template(TEMPLATES[plan.kernel]).render(plan=plan)

@@ -1,0 +1,26 @@
+"""Every ATTNCC_* environment knob, read in one place."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where generated kernel sources live: $ATTNCC_CACHE_DIR, else the user cache dir."""
+    explicit = os.environ.get("ATTNCC_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attncc"
+
+
+def log_level() -> int | None:
+    """$ATTNCC_LOG = debug | info | warning: attncc's logging level (None: leave logging alone)."""
+    name = os.environ.get("ATTNCC_LOG", "").strip().upper()
+    return getattr(logging, name, None) if name else None
+
+
+def force_interpreter() -> bool:
+    """$ATTNCC_INTERPRET=1 runs CUDA tensors through the Triton interpreter too (debugging)."""
+    return os.environ.get("ATTNCC_INTERPRET", "") not in ("", "0")

@@ -1,0 +1,332 @@
+"""The attncc IR: small immutable expression nodes for score and mask modifiers.
+
+A score_mod is an expression over the leaves ``score, b, h, q_idx, kv_idx``; a mask_mod the
+same without ``score``. Every node carries one of three value types:
+
+    float   computed in float32 in the kernels (float64 in the reference)
+    int     computed in int32 in the kernels (int64 in the reference)
+    bool    predicates
+
+Nodes are built through the constructors below, which infer and check types, so an ill-typed
+expression fails where it is written. Tracing a Python mod (``attncc.trace``) produces exactly
+these nodes, so a variant can also be written directly::
+
+    from attncc import ir
+    alibi = ir.score + ir.load(slopes, ir.h) * (ir.kv_idx - ir.q_idx)
+    causal = ir.q_idx >= ir.kv_idx
+
+A tensor that a mod reads becomes a ``Capture``: a kernel argument (pointer, sizes, strides),
+compared by identity, never baked into the kernel. ``canonical_key`` names captures by their
+order of appearance, so two variants that differ only in which tensor they read share kernels.
+"""
+from __future__ import annotations
+
+import math
+import torch
+
+from .errors import AttnccError
+
+FLOAT, INT, BOOL = "float", "int", "bool"
+
+# op name -> (number of arguments, type rule); the one table of what the IR can express.
+#   "float":   result is float (int/bool operands are promoted)
+#   "promote": result is float if any operand is float, else int (bool counts as int)
+#   "same":    result has the operand's type (float or int)
+#   "bool":    comparison, result is bool
+#   "logic":   bool x bool -> bool (logical), int x int -> int (bitwise)
+UNARY = {
+    "neg": "same", "abs": "same", "floor": "same", "invert": "logic",
+    "exp": "float", "exp2": "float", "log": "float", "log2": "float", "tanh": "float",
+    "sigmoid": "float", "sqrt": "float", "rsqrt": "float",
+}
+BINARY = {
+    "add": "promote", "sub": "promote", "mul": "promote", "truediv": "float",
+    "floordiv": "promote", "mod": "promote", "pow": "promote",
+    "minimum": "promote", "maximum": "promote",
+    "lt": "bool", "le": "bool", "gt": "bool", "ge": "bool", "eq": "bool", "ne": "bool",
+    "and": "logic", "or": "logic", "xor": "logic",
+}
+LEAVES = ("score", "b", "h", "q_idx", "kv_idx")
+
+
+class Capture:
+    """A tensor read by a mod. Equal only to a Capture of the very same tensor object."""
+
+    __slots__ = ("tensor", "name")
+
+    def __init__(self, tensor: torch.Tensor, name: str | None = None):
+        self.tensor = tensor
+        self.name = name
+
+    @property
+    def ndim(self) -> int:
+        return self.tensor.dim()
+
+    @property
+    def kind(self) -> str:
+        if self.tensor.dtype == torch.bool:
+            return BOOL
+        return FLOAT if self.tensor.is_floating_point() else INT
+
+    def __eq__(self, other):
+        return isinstance(other, Capture) and other.tensor is self.tensor
+
+    def __hash__(self):
+        return id(self.tensor)
+
+    def __repr__(self):
+        shape = "x".join(map(str, self.tensor.shape)) or "scalar"
+        return f"{self.name or 'tensor'}[{shape} {str(self.tensor.dtype).removeprefix('torch.')}]"
+
+
+class Node:
+    """One immutable IR node: ``op`` applied to ``args``; ``value`` holds a constant, a cast
+    target or a Capture; ``type`` is float, int or bool."""
+
+    __slots__ = ("op", "args", "value", "type", "_hash")
+
+    def __init__(self, op: str, args: tuple = (), value=None, type: str = FLOAT):
+        self.op, self.args, self.value, self.type = op, tuple(args), value, type
+        self._hash = hash((op, self.args, value, type))
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (
+            isinstance(other, Node) and self._hash == other._hash and self.op == other.op
+            and self.type == other.type and self.value == other.value and self.args == other.args)
+
+    def __repr__(self):
+        return to_text(self)
+
+    # Operator overloading so IR can be written as ordinary expressions.
+    def __add__(self, o): return binary("add", self, o)
+    def __radd__(self, o): return binary("add", o, self)
+    def __sub__(self, o): return binary("sub", self, o)
+    def __rsub__(self, o): return binary("sub", o, self)
+    def __mul__(self, o): return binary("mul", self, o)
+    def __rmul__(self, o): return binary("mul", o, self)
+    def __truediv__(self, o): return binary("truediv", self, o)
+    def __rtruediv__(self, o): return binary("truediv", o, self)
+    def __floordiv__(self, o): return binary("floordiv", self, o)
+    def __rfloordiv__(self, o): return binary("floordiv", o, self)
+    def __mod__(self, o): return binary("mod", self, o)
+    def __rmod__(self, o): return binary("mod", o, self)
+    def __pow__(self, o): return binary("pow", self, o)
+    def __rpow__(self, o): return binary("pow", o, self)
+    def __lt__(self, o): return binary("lt", self, o)
+    def __le__(self, o): return binary("le", self, o)
+    def __gt__(self, o): return binary("gt", self, o)
+    def __ge__(self, o): return binary("ge", self, o)
+    def __and__(self, o): return binary("and", self, o)
+    def __rand__(self, o): return binary("and", o, self)
+    def __or__(self, o): return binary("or", self, o)
+    def __ror__(self, o): return binary("or", o, self)
+    def __xor__(self, o): return binary("xor", self, o)
+    def __rxor__(self, o): return binary("xor", o, self)
+    def __neg__(self): return unary("neg", self)
+    def __invert__(self): return unary("invert", self)
+    def __abs__(self): return unary("abs", self)
+    # == and != stay structural (nodes are dict keys); use ir.eq / ir.ne to build comparisons.
+
+
+def const(value) -> Node:
+    """A compile-time constant: Python bool, int or float (including +-inf)."""
+    if isinstance(value, Node):
+        return value
+    if isinstance(value, bool):
+        return Node("const", (), value, BOOL)
+    if isinstance(value, int):
+        if not -2**31 <= value < 2**31:
+            raise AttnccError(f"integer constant {value} does not fit in int32, the kernels' index type")
+        return Node("const", (), value, INT)
+    if isinstance(value, float):
+        if math.isnan(value):
+            raise AttnccError("a NaN constant in a mod is not supported")
+        return Node("const", (), float(value), FLOAT)
+    raise AttnccError(f"cannot use a value of type {type(value).__name__} in an attention mod; "
+                      "use Python numbers, traced values or indexed captured tensors")
+
+
+def _rank(t: str) -> int:
+    return {BOOL: 0, INT: 1, FLOAT: 2}[t]
+
+
+def _result_type(op: str, rule: str, types: list[str]) -> str:
+    if rule == "float":
+        return FLOAT
+    if rule == "bool":
+        return BOOL
+    if rule == "same":
+        if types[0] == BOOL:
+            raise AttnccError(f"'{op}' is not defined on bool values; convert with .to(torch.int32) first")
+        return types[0]
+    if rule == "logic":
+        if all(t == BOOL for t in types):
+            return BOOL
+        if all(t in (INT, BOOL) for t in types):
+            return INT
+        raise AttnccError(f"'{op}' (&, |, ^, ~) needs bool or int operands, got {' and '.join(types)}")
+    top = max(types, key=_rank)
+    return FLOAT if top == FLOAT else INT
+
+
+def unary(op: str, x) -> Node:
+    x = const(x)
+    return Node(op, (x,), None, _result_type(op, UNARY[op], [x.type]))
+
+
+def binary(op: str, x, y) -> Node:
+    x, y = const(x), const(y)
+    return Node(op, (x, y), None, _result_type(op, BINARY[op], [x.type, y.type]))
+
+
+def where(cond, x, y) -> Node:
+    cond, x, y = const(cond), const(x), const(y)
+    if cond.type != BOOL:
+        raise AttnccError(f"the condition of where() must be bool, got {cond.type}")
+    if x.type == y.type:
+        t = x.type
+    else:
+        t = FLOAT if FLOAT in (x.type, y.type) else INT
+    return Node("where", (cond, x, y), None, t)
+
+
+def cast(x, to: str) -> Node:
+    x = const(x)
+    if to not in (FLOAT, INT, BOOL):
+        raise AttnccError(f"unknown cast target {to!r}")
+    return x if x.type == to else Node("cast", (x,), to, to)
+
+
+def load(tensor, *index) -> Node:
+    """Read ``tensor[index...]``: one traced integer expression per dimension (none for a 0-d
+    tensor, which is a runtime scalar). Out-of-range reads give 0 (False for bool tensors)."""
+    cap = tensor if isinstance(tensor, Capture) else Capture(tensor)
+    if not isinstance(cap.tensor, torch.Tensor):
+        raise AttnccError(f"load() needs a torch.Tensor, got {type(cap.tensor).__name__}")
+    idx = tuple(const(i) for i in index)
+    if len(idx) != cap.ndim:
+        raise AttnccError(f"captured tensor of shape {tuple(cap.tensor.shape)} indexed with {len(idx)} "
+                          f"indices; index every dimension with one integer expression")
+    for i in idx:
+        if i.type != INT:
+            raise AttnccError(f"a captured tensor index must be an integer expression, got {i.type} "
+                              f"({to_text(i)}); use .long() or // to make it integral")
+    if cap.tensor.is_complex() or cap.tensor.dtype in (torch.uint64, torch.uint32):
+        raise AttnccError(f"captured tensors of dtype {cap.tensor.dtype} are not supported")
+    return Node("load", idx, cap, cap.kind)
+
+
+score = Node("score", type=FLOAT)
+b = Node("b", type=INT)
+h = Node("h", type=INT)
+q_idx = Node("q_idx", type=INT)
+kv_idx = Node("kv_idx", type=INT)
+
+
+def _make_unary(op):
+    def f(x):
+        return unary(op, x)
+    f.__name__ = op
+    f.__doc__ = f"IR node for {op}(x)."
+    return f
+
+
+def _make_binary(op):
+    def f(x, y):
+        return binary(op, x, y)
+    f.__name__ = op
+    f.__doc__ = f"IR node for {op}(x, y)."
+    return f
+
+
+exp, exp2, log, log2, tanh, sigmoid, sqrt, rsqrt, floor = (
+    _make_unary(o) for o in ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "floor"))
+minimum, maximum, eq, ne = (_make_binary(o) for o in ("minimum", "maximum", "eq", "ne"))
+
+
+def clamp(x, lo=None, hi=None) -> Node:
+    x = const(x)
+    if lo is not None:
+        x = maximum(x, lo)
+    if hi is not None:
+        x = minimum(x, hi)
+    return x
+
+
+def walk(root: Node):
+    """Every node reachable from root, each once, children before parents."""
+    seen, order = set(), []
+
+    def visit(n):
+        if n in seen:
+            return
+        seen.add(n)
+        for a in n.args:
+            visit(a)
+        order.append(n)
+    visit(root)
+    return order
+
+
+def captures(*roots: Node | None) -> tuple[Capture, ...]:
+    """The captured tensors the expressions read, in order of first appearance."""
+    found = []
+    for r in roots:
+        if r is None:
+            continue
+        for n in walk(r):
+            if n.op == "load" and n.value not in found:
+                found.append(n.value)
+    return tuple(found)
+
+
+_SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
+            "pow": "**", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+            "and": "&", "or": "|", "xor": "^"}
+
+
+def to_text(n: Node, names: dict | None = None) -> str:
+    """Readable infix text of an expression (captures named cap0, cap1, ... or by ``names``)."""
+    if n.op in LEAVES:
+        return n.op
+    if n.op == "const":
+        return repr(n.value)
+    if n.op == "load":
+        name = (names or {}).get(n.value) or n.value.name or "tensor"
+        return f"{name}[{', '.join(to_text(a, names) for a in n.args)}]"
+    args = [to_text(a, names) for a in n.args]
+    if n.op in _SYMBOLS:
+        return f"({args[0]} {_SYMBOLS[n.op]} {args[1]})"
+    if n.op == "neg":
+        return f"-{args[0]}"
+    if n.op == "invert":
+        return f"~{args[0]}"
+    if n.op == "cast":
+        return f"{n.value}({args[0]})"
+    return f"{n.op}({', '.join(args)})"
+
+
+def canonical_key(*roots: Node | None) -> str:
+    """A string that identifies the expressions up to which tensors they capture: captures
+    become ``capN<ndim,kind>`` in order of first appearance. Equal keys, equal kernels."""
+    caps = captures(*roots)
+    names = {c: f"cap{i}<{c.ndim},{c.kind}>" for i, c in enumerate(caps)}
+    return " ; ".join("None" if r is None else f"{r.type}:{to_text(r, names)}" for r in roots)
+
+
+def verify(score_expr: Node | None, mask_expr: Node | None) -> None:
+    """Type-check the two roots: a score_mod yields a number, a mask_mod a bool."""
+    if score_expr is not None:
+        if "score" not in {n.op for n in walk(score_expr)} and score_expr.type == BOOL:
+            raise AttnccError("score_mod returned a bool; did you mean to pass it as mask_mod?")
+        if score_expr.type == BOOL:
+            raise AttnccError("score_mod must return a number (the modified score), got a bool")
+    if mask_expr is not None:
+        if mask_expr.type != BOOL:
+            raise AttnccError(f"mask_mod must return a bool (True = attend), got {mask_expr.type}; "
+                              "a mod that changes scores is a score_mod")
+        if "score" in {n.op for n in walk(mask_expr)}:
+            raise AttnccError("mask_mod cannot read the score; use score_mod for score-dependent masking")

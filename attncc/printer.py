@@ -1,0 +1,225 @@
+"""sympy expression -> Triton expression text: the only place expressions become strings.
+
+Names inside generated kernels:
+    score               the scaled score tile (float32)
+    b, h                batch and query-head index of the program (scalars)
+    q_idx, kv_idx       query / key positions: [BLOCK_M, 1] and [1, BLOCK_N] int32 tiles
+    capN_ptr            captured tensor N, with capN_size<d> and capN_stride<d> per dimension
+
+``emit`` runs common-subexpression elimination over a kernel's mod expressions and splits the
+resulting assignments into those that vary inside the tile loop and those that do not, so
+loop-invariant work (``slopes[h]``, ``doc_ids[q_idx]``) is hoisted out of the loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+from sympy.core.function import AppliedUndef
+from sympy.printing.str import StrPrinter
+
+from .passes import symbolic as S
+
+
+class TritonPrinter(StrPrinter):
+    """Prints sympy expressions as Triton (triton.language as tl) expressions."""
+
+    def __init__(self, captures: tuple = ()):
+        super().__init__({"full_prec": True})
+        self.captures = captures  # (ndim, kind, label) per capture number
+
+    def _print_Float(self, e):
+        return repr(float(e))
+
+    def _print_Rational(self, e):
+        return f"({e.p}.0 / {e.q}.0)"
+
+    def _print_Infinity(self, e):
+        return 'float("inf")'
+
+    def _print_NegativeInfinity(self, e):
+        return 'float("-inf")'
+
+    def _print_BooleanTrue(self, e):
+        return "True"
+
+    def _print_BooleanFalse(self, e):
+        return "False"
+
+    def _call(self, fn, *args):
+        return f"{fn}({', '.join(self._print(a) for a in args)})"
+
+    def _print_Pow(self, e, rational=False):
+        base, ex = e.args
+        if ex == sp.S.Half:
+            return self._call("tl.sqrt", base)
+        if ex == -sp.S.Half:
+            return self._call("tl.rsqrt", base)
+        if ex.is_Integer and 0 < ex <= 4:
+            return "(" + " * ".join([self.parenthesize(base, 50)] * int(ex)) + ")"
+        if ex.is_Integer and -4 <= ex < 0:
+            return f"(1.0 / {self._print(base ** -ex)})"
+        if base == 2:
+            return self._call("tl.exp2", ex)
+        return f"tl.exp2({self._print(ex)} * tl.log2({self._print(base)}))"
+
+    def _print_exp(self, e):
+        return self._call("tl.exp", e.args[0])
+
+    def _print_exp2(self, e):
+        return self._call("tl.exp2", e.args[0])
+
+    def _print_log(self, e):
+        return self._call("tl.log", e.args[0])
+
+    def _print_log2(self, e):
+        return self._call("tl.log2", e.args[0])
+
+    def _print_tanh(self, e):
+        return self._call("_tanh", e.args[0])
+
+    def _print_sigmoid(self, e):
+        return self._call("tl.sigmoid", e.args[0])
+
+    def _print_Abs(self, e):
+        return self._call("tl.abs", e.args[0])
+
+    def _print_trunc(self, e):
+        return f"({self._print(e.args[0])}).to(tl.int32)"
+
+    def _print_floor(self, e):
+        num, den = sp.fraction(sp.together(e.args[0]))
+        if num.is_integer and den.is_integer:
+            return self._call("_floor_div", num, den)
+        return self._call("tl.floor", e.args[0])
+
+    def _print_Mod(self, e):
+        a, m = e.args
+        if a.is_integer and m.is_integer:
+            return self._call("_floor_mod", a, m)
+        return f"({self._print(a)} - {self.parenthesize(m, 50)} * tl.floor({self._print(a)} / {self.parenthesize(m, 50)}))"
+
+    def _minmax(self, fn, args):
+        out = self._print(args[0])
+        for a in args[1:]:
+            out = f"{fn}({out}, {self._print(a)})"
+        return out
+
+    def _print_Min(self, e):
+        return self._minmax("tl.minimum", e.args)
+
+    def _print_Max(self, e):
+        return self._minmax("tl.maximum", e.args)
+
+    def _print_Piecewise(self, e):
+        *branches, (last, cond) = e.args
+        out = self._print(last)
+        if cond != sp.true:
+            out = f"tl.where({self._print(cond)}, {out}, 0)"
+        for value, c in reversed(branches):
+            out = f"tl.where({self._print(c)}, {self._print(value)}, {out})"
+        return out
+
+    def _print_Relational(self, e):
+        op = {"==": "==", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}[e.rel_op]
+        return f"({self._print(e.lhs)} {op} {self._print(e.rhs)})"
+
+    def _logic(self, op, args):
+        return "(" + f" {op} ".join(self._print(a) for a in args) + ")"
+
+    def _print_And(self, e):
+        return self._logic("&", e.args)
+
+    def _print_Or(self, e):
+        return self._logic("|", e.args)
+
+    def _print_Xor(self, e):
+        return self._logic("^", e.args)
+
+    def _print_Not(self, e):
+        return f"({self._print(e.args[0])} == 0)"
+
+    _print_bit_and = _print_And
+    _print_bit_or = _print_Or
+    _print_bit_xor = _print_Xor
+
+    def _print_bit_not(self, e):
+        return f"(~{self._print(e.args[0])})"
+
+    def _print_Function(self, e):
+        if isinstance(e, AppliedUndef) and e.func.__name__.startswith("cap"):
+            return self._load(int(e.func.__name__[3:]), e.args)
+        return super()._print_Function(e)
+
+    def _load(self, n, index):
+        ndim, kind, _ = self.captures[n]
+        cap = f"cap{n}"
+        convert = ".to(tl.float32)" if kind == "float" else ".to(tl.int32)"
+        if not index:
+            return f"tl.load({cap}_ptr){convert}"
+        offsets, bounds = [], []
+        for d, i in enumerate(index):
+            text = self._print(i)
+            if i.is_Integer:
+                offsets.append(f"{text} * {cap}_stride{d}")
+                bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
+            else:
+                offsets.append(f"({text}).to(tl.int64) * {cap}_stride{d}")
+                bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
+        return (f"tl.load({cap}_ptr + {' + '.join(offsets)}, mask={' & '.join(bounds)}, other=0)"
+                f"{convert}")
+
+
+@dataclass(frozen=True)
+class ModCode:
+    """Triton statements for a kernel's mods: ``hoisted`` runs once per program before the
+    tile loop, ``body`` inside it; ``score`` and ``keep`` name the results (None when absent)."""
+    hoisted: tuple  # ((name, text), ...)
+    body: tuple
+    score: str | None
+    keep: str | None
+
+
+def emit(score: sp.Expr | None, keep: sp.Basic | None, captures: tuple, loop_symbols: set) -> ModCode:
+    """Statements computing the score_mod and mask_mod expressions.
+
+    Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a named
+    temporary (``slopes0``); maximal subexpressions that do not read ``loop_symbols`` (kv_idx
+    in the forward) or the score are hoisted before the tile loop (``inv<k>``)."""
+    printer = TritonPrinter(captures)
+    labels = [label for label, e in (("score_mod", score), ("keep", keep)) if e is not None]
+    outputs = [e for e in (score, keep) if e is not None]
+    temps, reduced = sp.cse(outputs, symbols=sp.numbered_symbols("t"), order="none") if outputs else ([], [])
+    varying = set(loop_symbols) | {S.SCORE}
+    hoisted, body = [], []
+    counts = {}
+
+    def name(prefix, expr, invariant):
+        counts[prefix] = counts.get(prefix, -1) + 1
+        sym = sp.Symbol(f"{prefix}{counts[prefix]}")
+        (hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
+        if not invariant:
+            varying.add(sym)
+        return sym
+
+    def lift(e, parent_invariant):
+        if e.is_Atom:
+            return e
+        invariant = not (e.free_symbols & varying)
+        args = [lift(a, invariant) for a in e.args]
+        if any(x is not y for x, y in zip(args, e.args)):
+            e = e.func(*args)
+        if isinstance(e, AppliedUndef) and e.func.__name__.startswith("cap"):
+            return name(captures[int(e.func.__name__[3:])][2], e, invariant)
+        if invariant and not parent_invariant and sp.count_ops(e) > 1:
+            return name("inv", e, True)
+        return e
+
+    for sym, expr in list(temps) + list(zip(labels, reduced)):
+        invariant = not (expr.free_symbols & varying)
+        expr = lift(expr, invariant)
+        (hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
+        if not invariant:
+            varying.add(sp.Symbol(str(sym)))
+    return ModCode(tuple(hoisted), tuple(body), "score_mod" if score is not None else None,
+                   "keep" if keep is not None else None)

@@ -1,0 +1,96 @@
+"""Load generated kernel modules and launch them: compiled on CUDA, interpreted on CPU."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import config
+from .errors import AttnccError
+from .log import logger
+
+_modules: dict = {}
+
+
+def _triton(for_cpu: bool):
+    """Import triton. CPU tensors need its interpreter, which triton only sets up when
+    TRITON_INTERPRET=1 before its import; on a machine without CUDA (or with ATTNCC_INTERPRET=1)
+    attncc turns it on when it is the first to import triton."""
+    if "triton" not in sys.modules and (config.force_interpreter() or (for_cpu and not torch.cuda.is_available())):
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+    return triton
+
+
+def interpreting(triton) -> bool:
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs.runtime.interpret) if knobs else os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def target_for(device: torch.device) -> str:
+    """'cuda-smXY' for CUDA tensors; 'interpreter' for CPU tensors, and for every tensor when
+    the Triton interpreter is on (TRITON_INTERPRET=1 or ATTNCC_INTERPRET=1)."""
+    if device.type not in ("cpu", "cuda"):
+        raise AttnccError(f"attncc runs on CUDA GPUs and on the CPU (through the Triton interpreter), "
+                          f"not on {device.type} tensors; move the inputs with .cuda() or .cpu()")
+    triton = _triton(for_cpu=device.type == "cpu")
+    if interpreting(triton):
+        return "interpreter"
+    if device.type == "cpu":
+        raise AttnccError(
+            "CPU tensors run through the Triton interpreter, which must be switched on before triton "
+            "is imported: start Python with TRITON_INTERPRET=1 (every attncc kernel then runs "
+            "interpreted), or move the tensors to the GPU with .cuda()")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"cuda-sm{major}{minor}"
+
+
+def load(path: Path, interpret: bool):
+    """Import a generated module (once per process); @triton.jit becomes the interpreter if asked."""
+    key = (str(path), interpret)
+    module = _modules.get(key)
+    if module is None:
+        start = time.perf_counter()
+        name = f"attncc_generated.{path.stem}{'_interp' if interpret else ''}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        _modules[key] = module
+        logger.debug("loaded %s in %.1f ms", path.name, 1e3 * (time.perf_counter() - start))
+    return module
+
+
+def _like_query_layout(q: torch.Tensor, dv: int, dtype) -> torch.Tensor:
+    """Output (B, H, L, Dv) in the memory order of q: a transposed (B, L, H, D) q gets a
+    transposed (B, L, H, Dv) output, so a following .transpose(1, 2) is free."""
+    B, H, L, _ = q.shape
+    if q.stride(1) < q.stride(2) and H > 1 and L > 1:
+        return torch.empty(B, L, H, dv, dtype=dtype, device=q.device).transpose(1, 2)
+    return torch.empty(B, H, L, dv, dtype=dtype, device=q.device)
+
+
+def forward(module, q, k, v, captures, scale, interpret: bool):
+    """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) float32 from a generated fwd module."""
+    B, H, Lq, _ = q.shape
+    out = _like_query_layout(q, v.shape[-1], q.dtype)
+    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    if interpret and q.dtype == torch.bfloat16:
+        # The interpreter computes on bf16's raw bits; run in float32 and round once at the end.
+        q, k, v = q.float(), k.float(), v.float()
+        tmp = _like_query_layout(q, v.shape[-1], torch.float32)
+        module.launch(q, k, v, tmp, lse, _interp_captures(captures), scale)
+        out.copy_(tmp)
+        return out, lse
+    module.launch(q, k, v, out, lse, _interp_captures(captures) if interpret else captures, scale)
+    return out, lse
+
+
+def _interp_captures(captures):
+    return [c.float() if c.dtype == torch.bfloat16 else c for c in captures]

@@ -1,0 +1,316 @@
+"""Trace FlexAttention-style mods into attncc IR by calling them with proxy values.
+
+``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` are called once
+with ``Proxy`` arguments; Python operators and torch functions on proxies (through
+``__torch_function__``) build IR nodes instead of computing. Indexing a captured tensor with
+a proxy (``slopes[h]``, ``bias[h, q_idx - kv_idx]``) becomes an IR load of that tensor.
+Python control flow on a proxy cannot be traced and raises a ModTraceError that names the
+mod, the line and the fix.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from . import ir
+from .errors import AttnccError, ModTraceError
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+# torch function name (torch.X, Tensor.X or Tensor.__X__, underscores stripped) -> IR builder.
+_FUNCS = {
+    "add": lambda x, y, alpha=1: ir.binary("add", x, ir.binary("mul", y, alpha) if alpha != 1 else y),
+    "sub": lambda x, y, alpha=1: ir.binary("sub", x, ir.binary("mul", y, alpha) if alpha != 1 else y),
+    "subtract": lambda x, y: ir.binary("sub", x, y),
+    "radd": lambda x, y: ir.binary("add", y, x), "rmul": lambda x, y: ir.binary("mul", y, x),
+    "rsub": lambda x, y: ir.binary("sub", y, x),
+    "mul": lambda x, y: ir.binary("mul", x, y), "multiply": lambda x, y: ir.binary("mul", x, y),
+    "div": lambda x, y, rounding_mode=None: _div(x, y, rounding_mode),
+    "divide": lambda x, y, rounding_mode=None: _div(x, y, rounding_mode),
+    "truediv": lambda x, y: ir.binary("truediv", x, y), "true_divide": lambda x, y: ir.binary("truediv", x, y),
+    "rtruediv": lambda x, y: ir.binary("truediv", y, x), "rdiv": lambda x, y: ir.binary("truediv", y, x),
+    "floordiv": lambda x, y: ir.binary("floordiv", x, y), "floor_divide": lambda x, y: ir.binary("floordiv", x, y),
+    "rfloordiv": lambda x, y: ir.binary("floordiv", y, x),
+    "mod": lambda x, y: ir.binary("mod", x, y), "remainder": lambda x, y: ir.binary("mod", x, y),
+    "rmod": lambda x, y: ir.binary("mod", y, x),
+    "pow": lambda x, y: ir.binary("pow", x, y), "rpow": lambda x, y: ir.binary("pow", y, x),
+    "neg": lambda x: ir.unary("neg", x), "negative": lambda x: ir.unary("neg", x),
+    "abs": lambda x: ir.unary("abs", x), "absolute": lambda x: ir.unary("abs", x),
+    "exp": ir.exp, "exp2": ir.exp2, "log": ir.log, "log2": ir.log2, "tanh": ir.tanh,
+    "sigmoid": ir.sigmoid, "expit": ir.sigmoid, "sqrt": ir.sqrt, "rsqrt": ir.rsqrt, "floor": ir.floor,
+    "minimum": ir.minimum, "maximum": ir.maximum, "fmin": ir.minimum, "fmax": ir.maximum,
+    "clamp": lambda x, min=None, max=None: ir.clamp(x, min, max),
+    "clip": lambda x, min=None, max=None: ir.clamp(x, min, max),
+    "where": lambda c, x, y: ir.where(c, x, y),
+    "lt": lambda x, y: x < y, "le": lambda x, y: x <= y, "gt": lambda x, y: x > y,
+    "ge": lambda x, y: x >= y, "eq": ir.eq, "ne": ir.ne,
+    "less": lambda x, y: x < y, "less_equal": lambda x, y: x <= y,
+    "greater": lambda x, y: x > y, "greater_equal": lambda x, y: x >= y, "not_equal": ir.ne,
+    "and": lambda x, y: ir.binary("and", x, y), "rand": lambda x, y: ir.binary("and", y, x),
+    "or": lambda x, y: ir.binary("or", x, y), "ror": lambda x, y: ir.binary("or", y, x),
+    "xor": lambda x, y: ir.binary("xor", x, y), "rxor": lambda x, y: ir.binary("xor", y, x),
+    "logical_and": lambda x, y: ir.binary("and", ir.cast(x, ir.BOOL), ir.cast(y, ir.BOOL)),
+    "logical_or": lambda x, y: ir.binary("or", ir.cast(x, ir.BOOL), ir.cast(y, ir.BOOL)),
+    "logical_xor": lambda x, y: ir.binary("xor", ir.cast(x, ir.BOOL), ir.cast(y, ir.BOOL)),
+    "logical_not": lambda x: ir.unary("invert", ir.cast(x, ir.BOOL)),
+    "bitwise_and": lambda x, y: ir.binary("and", x, y), "bitwise_or": lambda x, y: ir.binary("or", x, y),
+    "bitwise_xor": lambda x, y: ir.binary("xor", x, y), "bitwise_not": lambda x: ir.unary("invert", x),
+    "invert": lambda x: ir.unary("invert", x),
+    "float": lambda x: ir.cast(x, ir.FLOAT), "double": lambda x: ir.cast(x, ir.FLOAT),
+    "half": lambda x: ir.cast(x, ir.FLOAT), "bfloat16": lambda x: ir.cast(x, ir.FLOAT),
+    "long": lambda x: ir.cast(x, ir.INT), "int": lambda x: ir.cast(x, ir.INT),
+    "bool": lambda x: ir.cast(x, ir.BOOL),
+    "to": lambda x, *a, **k: _to(x, *a, **k), "type_as": lambda x, other: _to(x, other.dtype),
+}
+SUPPORTED = sorted({"+ - * / // % ** unary- abs < <= > >= == != & | ^ ~"} | set(_FUNCS) - {
+    "radd", "rmul", "rsub", "rtruediv", "rdiv", "rfloordiv", "rmod", "rpow", "rand", "ror", "rxor", "and", "or", "xor",
+    "truediv", "floordiv"})
+
+
+def _div(x, y, rounding_mode):
+    if rounding_mode is None:
+        return ir.binary("truediv", x, y)
+    if rounding_mode == "floor":
+        return ir.binary("floordiv", x, y)
+    raise AttnccError(f"torch.div(rounding_mode={rounding_mode!r}) is not supported in a mod; "
+                      "use rounding_mode='floor' or //")
+
+
+def _to(x, *args, **kwargs):
+    dtype = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+    if dtype is None:
+        return x  # .to(device) and friends do nothing to a traced scalar expression
+    if dtype == torch.bool:
+        return ir.cast(x, ir.BOOL)
+    return ir.cast(x, ir.FLOAT if dtype.is_floating_point else ir.INT)
+
+
+class _Tracing:
+    """What the current trace is doing: which mod, for error messages."""
+    mod = None
+
+
+def _user_line() -> str:
+    """'file:line: code' of the innermost frame outside attncc and torch."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        fname = os.path.abspath(frame.f_code.co_filename)
+        if not fname.startswith(_HERE) and not fname.startswith(_TORCH_DIR):
+            info = inspect.getframeinfo(frame)
+            code = (info.code_context or [""])[0].strip()
+            return f"{fname}:{info.lineno}: {code}"
+        frame = frame.f_back
+    return "<unknown line>"
+
+
+def _mod_name() -> str:
+    fn = _Tracing.mod
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _control_flow_error(what: str):
+    raise ModTraceError(
+        f"{_mod_name()} uses {what} on a traced value at {_user_line()}\n"
+        "Mods are traced once and run elementwise inside the kernel, so Python control flow "
+        "cannot depend on score, b, h, q_idx or kv_idx. Use torch.where(cond, a, b) instead of "
+        "if/else, `&` and `|` instead of `and`/`or`, `~` instead of `not`, and unroll loops over "
+        "Python constants.")
+
+
+def _node(x):
+    """IR node for one argument of a traced operation."""
+    if isinstance(x, Proxy):
+        return x.node
+    if isinstance(x, _PartialIndex):
+        raise AttnccError(f"captured tensor of shape {tuple(x.tensor.shape)} used with only "
+                          f"{len(x.index)} of its {x.tensor.dim()} dimensions indexed, at {_user_line()}")
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:
+            return ir.load(_capture(x))
+        raise AttnccError(
+            f"{_mod_name()} uses a captured tensor of shape {tuple(x.shape)} as a whole at {_user_line()}; "
+            "mods work on one score at a time: index it, e.g. bias[h, q_idx, kv_idx]")
+    if isinstance(x, (bool, int, float)):
+        return ir.const(x)
+    if hasattr(x, "item") and hasattr(x, "dtype"):  # numpy scalars
+        return ir.const(x.item())
+    raise AttnccError(f"{_mod_name()} uses a value of type {type(x).__name__} at {_user_line()}; "
+                      "mods may use traced values, Python numbers and captured torch tensors")
+
+
+def _wrap(x):
+    return Proxy(x) if isinstance(x, ir.Node) else x
+
+
+_captured_names: dict[int, str] = {}
+
+
+def _capture(t: torch.Tensor) -> ir.Capture:
+    return ir.Capture(t, _captured_names.get(id(t)))
+
+
+def _index(tensor: torch.Tensor, index):
+    idx = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis or i is None or isinstance(i, slice) for i in idx):
+        raise AttnccError(f"{_mod_name()} slices a captured tensor at {_user_line()}; "
+                          "index it with one integer expression per dimension")
+    if len(idx) > tensor.dim():
+        raise AttnccError(f"{_mod_name()} indexes a {tensor.dim()}-d captured tensor with {len(idx)} "
+                          f"indices at {_user_line()}")
+    if len(idx) < tensor.dim():
+        return _PartialIndex(tensor, idx)
+    return Proxy(ir.load(_capture(tensor), *[_node(i) for i in idx]))
+
+
+class _PartialIndex:
+    """``bias[h]`` of a 2-d ``bias``: waits for the remaining indices (``bias[h][q_idx]``)."""
+
+    def __init__(self, tensor, index):
+        self.tensor, self.index = tensor, index
+
+    def __getitem__(self, more):
+        more = more if isinstance(more, tuple) else (more,)
+        return _index(self.tensor, self.index + more)
+
+
+class Proxy:
+    """A traced scalar value inside a mod. Operations on it record IR nodes."""
+
+    __slots__ = ("node",)
+    __hash__ = None
+
+    def __init__(self, node: ir.Node):
+        self.node = node
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name == "__getitem__":
+            return _index(args[0], args[1])
+        key = name.strip("_")
+        builder = _FUNCS.get(key)
+        if builder is None:
+            raise AttnccError(
+                f"{_mod_name()} calls torch function `{name}` at {_user_line()}, which attncc cannot "
+                f"compile into a kernel. Supported: {', '.join(SUPPORTED)}")
+        if key in ("to", "type_as"):
+            return _wrap(builder(_node(args[0]), *args[1:], **kwargs))
+        conv = lambda v: _node(v) if v is not None else None
+        try:
+            return _wrap(builder(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()}))
+        except TypeError as e:
+            raise AttnccError(f"{_mod_name()}: unsupported arguments to `{name}` at {_user_line()}: {e}") from None
+
+    def _op(name):
+        def method(self, *args, **kwargs):
+            return Proxy.__torch_function__(getattr(torch.Tensor, name), (), (self,) + args, kwargs)
+        method.__name__ = name
+        return method
+
+    for _n in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+               "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
+               "__rpow__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__",
+               "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__neg__", "__invert__",
+               "__abs__", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "floor",
+               "abs", "neg", "clamp", "clip", "minimum", "maximum", "to", "type_as", "float",
+               "double", "half", "bfloat16", "long", "int", "bool", "logical_and", "logical_or",
+               "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not",
+               "lt", "le", "gt", "ge", "eq", "ne", "add", "sub", "mul", "div", "pow", "remainder"):
+        locals()[_n] = _op(_n)
+    del _n, _op
+
+    def __bool__(self):
+        _control_flow_error("`if`, `and`, `or`, `not` or bool()")
+
+    def __index__(self):
+        _control_flow_error("a Python index, range() or int()")
+
+    __int__ = __float__ = __index__
+
+    def __iter__(self):
+        _control_flow_error("iteration")
+
+    def __len__(self):
+        _control_flow_error("len()")
+
+    def __getitem__(self, _):
+        raise AttnccError(f"{_mod_name()} indexes a traced scalar at {_user_line()}; only captured "
+                          "tensors can be indexed")
+
+    def __getattr__(self, name):
+        raise AttnccError(
+            f"{_mod_name()} reads `.{name}` of a traced value at {_user_line()}; inside a mod each "
+            f"argument is a single scalar. Supported: {', '.join(SUPPORTED)}")
+
+    def __repr__(self):
+        return f"Proxy({ir.to_text(self.node)})"
+
+
+def _name_captures(fn):
+    """Remember the Python names under which fn sees tensors, for readable kernels."""
+    names = {}
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            try:
+                val = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(val, torch.Tensor):
+                names[id(val)] = var
+        for var in code.co_names:
+            val = getattr(fn, "__globals__", {}).get(var)
+            if isinstance(val, torch.Tensor):
+                names[id(val)] = var
+    return names
+
+
+def _check_arity(fn, n, kind):
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        sig = "(score, b, h, q_idx, kv_idx)" if kind == "score_mod" else "(b, h, q_idx, kv_idx)"
+        raise AttnccError(f"{kind} {getattr(fn, '__name__', fn)!s} must take {n} positional arguments "
+                          f"{sig}, as in FlexAttention; its signature is {inspect.signature(fn)}") from None
+    except ValueError:
+        pass  # builtins without a signature: let the call tell
+
+
+def trace(fn, kind: str) -> ir.Node:
+    """The IR of a score_mod (kind='score_mod') or mask_mod (kind='mask_mod')."""
+    if isinstance(fn, ir.Node):
+        return fn
+    if isinstance(fn, Proxy):
+        return fn.node
+    if not callable(fn):
+        raise AttnccError(f"{kind} must be a function or an attncc.ir expression, got {type(fn).__name__}")
+    leaves = [ir.b, ir.h, ir.q_idx, ir.kv_idx]
+    if kind == "score_mod":
+        leaves.insert(0, ir.score)
+    _check_arity(fn, len(leaves), kind)
+    previous = _Tracing.mod
+    _Tracing.mod = fn
+    _captured_names.update(_name_captures(fn))
+    try:
+        out = fn(*[Proxy(n) for n in leaves])
+        if out is None:
+            raise AttnccError(f"{kind} {_mod_name()} returned None; did you forget `return`?")
+        if isinstance(out, torch.Tensor) and out.dim() > 0:
+            raise AttnccError(f"{kind} {_mod_name()} returned a tensor of shape {tuple(out.shape)}; "
+                              "it must return a scalar expression")
+        node = _node(out)
+    finally:
+        _Tracing.mod = previous
+        _captured_names.clear()
+    if kind == "score_mod":
+        ir.verify(node, None)
+        return ir.cast(node, ir.FLOAT)
+    ir.verify(None, node)
+    return node

@@ -1,0 +1,87 @@
+"""Variant: an attention variant as traced IR, plus the analysis every kernel of it shares."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import sympy as sp
+
+from . import ir
+from .errors import AttnccError
+from .passes import facts as facts_pass
+from .passes import symbolic
+from .trace import trace
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the passes derive from a variant's IR; independent of dtype, shapes and tensors."""
+    score: sp.Expr          # simplified score_mod
+    mask: sp.Basic          # simplified mask_mod (sympy.true when there is none)
+    facts: facts_pass.Facts
+    captures: tuple         # (ndim, kind) per capture number
+    key: str                # canonical text: equal keys, equal kernels
+
+
+def _check_dropout(p) -> float:
+    if not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
+        raise AttnccError(f"dropout_p must be a number in [0, 1), got {p!r}")
+    return float(p)
+
+
+def check_scale(scale):
+    if scale is None:
+        return None
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise AttnccError(f"scale must be a finite Python number (or None for 1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def _name_of(fn) -> str | None:
+    if fn is None or isinstance(fn, ir.Node):
+        return None
+    name = getattr(fn, "__name__", None)
+    return None if name in (None, "<lambda>") else name
+
+
+class Variant:
+    """An attention variant: score_mod and mask_mod traced into IR, plus scale and dropout.
+
+    score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool
+    follow FlexAttention; either may also be an ``attncc.ir`` expression. Tensors the mods
+    read are captured by reference: changing their contents needs no new kernel. ``scale``
+    defaults to 1/sqrt(head_dim).
+    """
+
+    def __init__(self, score_mod=None, mask_mod=None, *, scale=None, dropout_p=0.0, name=None):
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.scale = check_scale(scale)
+        self.dropout_p = _check_dropout(dropout_p)
+        self.score_ir = ir.score if score_mod is None else trace(score_mod, "score_mod")
+        self.mask_ir = None if mask_mod is None else trace(mask_mod, "mask_mod")
+        self.captures = ir.captures(self.score_ir, self.mask_ir)
+        parts = [n for n in (_name_of(score_mod), _name_of(mask_mod)) if n]
+        self.name = name or "+".join(parts) or ("full" if score_mod is None and mask_mod is None else "variant")
+
+    @cached_property
+    def ir_key(self) -> str:
+        return ir.canonical_key(self.score_ir, self.mask_ir)
+
+    @cached_property
+    def analysis(self) -> Analysis:
+        index = {c: i for i, c in enumerate(self.captures)}
+        score = symbolic.to_sympy(self.score_ir, index)
+        mask = sp.true if self.mask_ir is None else symbolic.to_sympy(self.mask_ir, index)
+        caps = tuple((c.ndim, c.kind) for c in self.captures)
+        key = f"score={symbolic.canonical(score)}|mask={symbolic.canonical(mask)}|caps={caps}"
+        return Analysis(score, mask, facts_pass.derive(score, mask), caps, key)
+
+    def capture_names(self) -> dict:
+        return {c: f"cap{i}" for i, c in enumerate(self.captures)}
+
+    def __repr__(self):
+        names = self.capture_names()
+        mask = "None" if self.mask_ir is None else ir.to_text(self.mask_ir, names)
+        return (f"Variant({self.name!r}, score_mod={ir.to_text(self.score_ir, names)}, mask_mod={mask}, "
+                f"scale={self.scale}, dropout_p={self.dropout_p})")
