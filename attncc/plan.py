@@ -3,10 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
-
 from . import __version__, printer
-from .passes.symbolic import KV, SCORE
+from .passes import derive as derive_pass
+from .passes.symbolic import KV, Q, SCORE
 from .variant import Analysis
 
 
@@ -18,6 +17,8 @@ class Spec:
     head_dim_v: int
     group: int        # query heads per K/V head (1: MHA)
     target: str       # "interpreter" or "cuda-sm90" etc.
+    learnable: tuple = ()    # bwd: numbers of the float captures that need a gradient
+    atomic_dq: bool = False  # bwd: dq by atomics (measured alternative to the dq kernel)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,22 @@ class Tiles:
 
 
 @dataclass(frozen=True)
+class CapGrad:
+    """Accumulation of one load site's gradient into a learnable captured tensor.
+
+    ``reduce`` says which tile axes the index does not depend on, so they are summed in
+    registers before the atomic add: "both" (e.g. slopes[h]), "kv" (index reads q_idx only),
+    "q" (index reads kv_idx only) or "none" (one atomic per score)."""
+    capture: int
+    label: str       # the mods output holding d score_mod / d load
+    offset: str      # Triton text of the element offset into the gradient buffer
+    bounds: str      # Triton text of the in-range predicate of the index
+    reduce: str
+
+
+@dataclass(frozen=True)
 class KernelPlan:
-    kernel: str
+    kernel: str           # "fwd" or "bwd": which template
     name: str
     attncc_version: str
     target: str
@@ -67,48 +82,46 @@ class KernelPlan:
     block_d: int
     block_dv: int
     group: int
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
     dot_precision: str
     score_text: str
     mask_text: str
-    score_identity: bool
-    score_value: str
-    mods: printer.ModCode
-    captures: tuple
+    score_identity: bool  # score_mod is the identity: the scale folds into exp2
+    dscore_one: bool      # d score_mod / d score == 1 (identity or additive bias)
+    score_broadcast: bool  # score_mod's value is not a float tile by itself (constant, int, no score)
+    captures: tuple       # CaptureArg per captured tensor
+    tiles: dict           # kernel function name -> Tiles
+    mods: dict            # kernel function name -> printer.ModCode
+    grads: tuple = ()     # CapGrad per learnable load site (bwd)
+    atomic_dq: bool = False  # bwd: dq by atomic adds from the dK/dV kernel instead of its own kernel
 
     @property
     def runtime_ints(self):
         """Integer arguments Triton must not specialise on, so new lengths never recompile."""
         return ["N_CTX_Q", "N_CTX_KV"] + [s for c in self.captures for s in c.size_args]
 
+    @property
+    def learnable(self):
+        return sorted({g.capture for g in self.grads})
+
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def choose_tiles(kernel: str, spec: Spec) -> Tiles:
-    """Tile shape, warps and pipeline depth for a kernel on a target."""
+def choose_tiles(fn: str, spec: Spec) -> Tiles:
+    """Tile shape, warps and pipeline depth for one kernel function on a target."""
     if spec.target == "interpreter":
         return Tiles(32, 32, 1, 1)  # small tiles keep several tiles and ragged edges in tests
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
-    fp32 = spec.dtype == "float32"
-    if d <= 64:
-        return Tiles(128, 64, 4, 3) if not fp32 else Tiles(64, 32, 4, 2)
-    if d <= 128:
-        return Tiles(128, 64, 8, 3) if not fp32 else Tiles(64, 32, 4, 2)
-    return Tiles(64, 32, 4, 2) if not fp32 else Tiles(32, 32, 4, 1)
-
-
-def _score_value(score: sp.Expr) -> str:
-    """The score_mod result as a float [BLOCK_M, BLOCK_N] tile."""
-    if SCORE not in score.free_symbols:
-        return "(score_mod + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))"
-    if score.is_integer:
-        return "score_mod.to(tl.float32)"
-    return "score_mod"
+    if spec.dtype == "float32":
+        return Tiles(64, 32, 4, 2) if d <= 128 else Tiles(32, 32, 4, 1)
+    if fn == "attn_fwd":
+        return Tiles(128, 64, 4 if d <= 64 else 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
+    if fn == "attn_bwd_dkdv":  # BLOCK_N keys stay resident; BLOCK_M query rows stream
+        return Tiles(32, 128, 4 if d <= 64 else 8, 3) if d <= 128 else Tiles(32, 64, 4, 2)
+    if fn == "attn_bwd_dq":
+        return Tiles(128, 32, 4 if d <= 64 else 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
+    return Tiles(64, 64, 4, 1)  # attn_bwd_preprocess
 
 
 def _label(cap, i) -> str:
@@ -124,15 +137,37 @@ def _describe(i, ndim, kind, cap, facts) -> str:
     return f"{label}{kind} tensor, {ndim}-d, read by {' and '.join(users) or 'nothing'}"
 
 
+def _cap_grad(g, j, printer_) -> CapGrad:
+    index = g.load.args
+    offset = " + ".join(f"({printer_.doprint(i)}).to(tl.int64) * dcap{g.capture}_stride{d}"
+                        for d, i in enumerate(index)) or "0"
+    bounds = " & ".join(f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{g.capture}_size{d})"
+                        for d, i in enumerate(index)) or "True"
+    syms = set().union(*[i.free_symbols for i in index]) if index else set()
+    reduce = {(False, False): "both", (True, False): "kv", (False, True): "q", (True, True): "none"}[
+        (Q in syms, KV in syms)]
+    return CapGrad(g.capture, f"dcap{j}", offset, bounds, reduce)
+
+
 def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -> KernelPlan:
-    """The plan for one kernel ('fwd') of a variant under a specialisation."""
+    """The plan for the forward ('fwd') or backward ('bwd') kernels of a variant under a Spec."""
     f = analysis.facts
     score = None if f.score_identity else analysis.score
     keep = None if f.mask_trivial else analysis.mask
     labels = [_label(captures[i] if i < len(captures) else None, i) for i in range(len(analysis.captures))]
-    mods = printer.emit(score, keep, tuple((nd, kind, lab) for (nd, kind), lab in zip(analysis.captures, labels)),
-                        loop_symbols={KV})
-    tiles = choose_tiles(kernel, spec)
+    cap_info = tuple((nd, kind, lab) for (nd, kind), lab in zip(analysis.captures, labels))
+    outputs = [(label, e) for label, e in (("score_mod", score), ("keep", keep)) if e is not None]
+    grads = ()
+    if kernel == "fwd":
+        fns = {"attn_fwd": {KV}}
+    else:
+        derived = derive_pass.derive(analysis.score, spec.learnable)
+        if not f.score_identity and derived.dscore != 1:
+            outputs.append(("dscore", derived.dscore))
+        outputs += [(f"dcap{j}", g.derivative) for j, g in enumerate(derived.loads)]
+        grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info)) for j, g in enumerate(derived.loads))
+        fns = {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
+    mods = {fn: printer.emit(outputs, cap_info, loop_symbols=loop) for fn, loop in fns.items() if loop}
     caps = tuple(
         CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
         for i, (nd, kind) in enumerate(analysis.captures))
@@ -140,8 +175,9 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
         kernel=kernel, name=name, attncc_version=__version__, target=spec.target, dtype=spec.dtype,
         head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         block_d=_pow2(spec.head_dim), block_dv=_pow2(spec.head_dim_v), group=spec.group,
-        block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         dot_precision="ieee" if spec.dtype == "float32" else "tf32",
         score_text=str(analysis.score), mask_text=str(analysis.mask),
-        score_identity=f.score_identity, score_value=_score_value(analysis.score),
-        mods=mods, captures=caps)
+        score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
+        score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
+        tiles={fn: choose_tiles(fn, spec) for fn in fns}, mods=mods, grads=grads,
+        atomic_dq=spec.atomic_dq)

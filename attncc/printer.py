@@ -143,6 +143,14 @@ class TritonPrinter(StrPrinter):
     _print_bit_or = _print_Or
     _print_bit_xor = _print_Xor
 
+    def _print_Heaviside(self, e):
+        x = self._print(e.args[0])
+        return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, 0.0, 0.5))"
+
+    def _print_sign(self, e):
+        x = self._print(e.args[0])
+        return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
+
     def _print_bit_not(self, e):
         return f"(~{self._print(e.args[0])})"
 
@@ -173,22 +181,24 @@ class TritonPrinter(StrPrinter):
 @dataclass(frozen=True)
 class ModCode:
     """Triton statements for a kernel's mods: ``hoisted`` runs once per program before the
-    tile loop, ``body`` inside it; ``score`` and ``keep`` name the results (None when absent)."""
+    tile loop, ``body`` inside it; ``outputs`` are the labels the last statements assign."""
     hoisted: tuple  # ((name, text), ...)
     body: tuple
-    score: str | None
-    keep: str | None
+    outputs: tuple
+
+    def has(self, label: str) -> bool:
+        return label in self.outputs
 
 
-def emit(score: sp.Expr | None, keep: sp.Basic | None, captures: tuple, loop_symbols: set) -> ModCode:
-    """Statements computing the score_mod and mask_mod expressions.
+def emit(outputs: list, captures: tuple, loop_symbols: set) -> ModCode:
+    """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
     Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a named
     temporary (``slopes0``); maximal subexpressions that do not read ``loop_symbols`` (kv_idx
     in the forward) or the score are hoisted before the tile loop (``inv<k>``)."""
     printer = TritonPrinter(captures)
-    labels = [label for label, e in (("score_mod", score), ("keep", keep)) if e is not None]
-    outputs = [e for e in (score, keep) if e is not None]
+    labels = [label for label, _ in outputs]
+    outputs = [e for _, e in outputs]
     temps, reduced = sp.cse(outputs, symbols=sp.numbered_symbols("t"), order="none") if outputs else ([], [])
     varying = set(loop_symbols) | {S.SCORE}
     hoisted, body = [], []
@@ -221,5 +231,4 @@ def emit(score: sp.Expr | None, keep: sp.Basic | None, captures: tuple, loop_sym
         (hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
         if not invariant:
             varying.add(sp.Symbol(str(sym)))
-    return ModCode(tuple(hoisted), tuple(body), "score_mod" if score is not None else None,
-                   "keep" if keep is not None else None)
+    return ModCode(tuple(hoisted), tuple(body), tuple(labels))

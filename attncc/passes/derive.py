@@ -1,0 +1,56 @@
+"""Symbolic derivatives of score_mod for the backward kernels.
+
+For s' = score_mod(s, b, h, q_idx, kv_idx) and dL/ds' = dS' (what softmax backward gives,
+P * (dP - D)), the kernels need
+
+    dL/ds      = dS' * d score_mod / d score           (then dq = dS k * scale, dk = dS^T q * scale)
+    dL/dcap[i] = sum over (q, kv) of dS' * d score_mod / d cap(i)   for each load site cap(i)
+
+sympy differentiates the simplified expression: where() on the score is differentiated branch
+by branch (Piecewise), floor and trunc have derivative 0 (as in torch), and the printer shares
+subexpressions with the recomputed forward value (softcap's tanh appears once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+from sympy.core.function import AppliedUndef
+
+from ..errors import AttnccError
+from .symbolic import SCORE, trunc
+
+
+@dataclass(frozen=True)
+class LoadGrad:
+    """One place a score_mod reads a learnable captured tensor, and d score_mod / d value there."""
+    capture: int
+    load: sp.Expr        # the load, e.g. cap0(h)
+    derivative: sp.Expr  # d score_mod / d load
+
+
+@dataclass(frozen=True)
+class Gradients:
+    dscore: sp.Expr
+    loads: tuple  # LoadGrad per differentiated load site
+
+
+def _diff(expr, var) -> sp.Expr:
+    d = sp.diff(expr, var)
+    # floor and trunc are piecewise constant: torch gives them zero gradient.
+    d = d.replace(lambda e: isinstance(e, sp.Derivative) and isinstance(e.expr, (sp.floor, sp.ceiling, trunc)),
+                  lambda e: sp.S.Zero)
+    if d.has(sp.Derivative):
+        raise AttnccError(f"cannot differentiate score_mod {expr} with respect to {var}: {d}")
+    return d
+
+
+def load_sites(expr: sp.Expr, capture: int) -> list:
+    """Every distinct load of capture number ``capture`` in an expression."""
+    return sorted({f for f in expr.atoms(AppliedUndef) if f.func.__name__ == f"cap{capture}"}, key=sp.default_sort_key)
+
+
+def derive(score: sp.Expr, learnable: tuple = ()) -> Gradients:
+    """d score_mod / d score and d score_mod / d load for each load of the ``learnable`` captures."""
+    loads = tuple(LoadGrad(c, site, _diff(score, site)) for c in learnable for site in load_sites(score, c))
+    return Gradients(_diff(score, SCORE), loads)
