@@ -1,11 +1,14 @@
 """The public entry points: attncc.compile(variant) and attncc.attention(q, k, v, ...)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from . import cache, codegen, ir, plan, runtime
+from . import cache, codegen, config, ir, plan, runtime
+from .autograd import AttentionFunction, Launch
+from .passes import derive as derive_pass
 from .checks import check_captures, check_qkv
 from .errors import AttnccError
 from .variant import Variant
@@ -41,6 +44,18 @@ class CompiledAttention:
     def __repr__(self):
         return f"CompiledAttention({self.variant!r})"
 
+    def module(self, kernel: str, spec: plan.Spec):
+        """The loaded generated module of one kernel ('fwd' or 'bwd') under a Spec."""
+        return self._path_and_module(kernel, spec)[1]
+
+    def bwd_spec(self, fwd_spec: plan.Spec, learnable: tuple) -> plan.Spec:
+        """The backward's Spec: the forward's plus which captures need gradients."""
+        for i in learnable:
+            if self.variant.captures[i].kind != ir.FLOAT:
+                raise AttnccError(f"captured tensor cap{i} ({self.variant.captures[i]!r}) requires grad but is "
+                                  "not a float tensor; integer and bool captures are never differentiated")
+        return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=config.atomic_dq())
+
     def _path_and_module(self, kernel: str, spec: plan.Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)
         hit = _loaded.get(k)
@@ -62,9 +77,8 @@ class CompiledAttention:
         check_captures(v.captures, query.device)
         target = runtime.target_for(query.device)
         spec = plan.Spec(_DTYPE_NAMES[query.dtype], query.shape[-1], value.shape[-1], group, target)
-        _, module = self._path_and_module("fwd", spec)
         scale = v.scale if v.scale is not None else 1.0 / math.sqrt(query.shape[-1])
-        out, lse = AttentionFunction.apply(query, key, value, module, target == "interpreter", scale,
+        out, lse = AttentionFunction.apply(query, key, value, Launch(self, spec, scale),
                                            *[c.tensor for c in v.captures])
         return (out, lse) if return_lse else out
 
@@ -91,6 +105,11 @@ class CompiledAttention:
             lines += ["", "Captured tensors (kernel arguments, read in place):"]
             lines += [f"  cap{i} = {c!r}" for i, c in enumerate(v.captures)]
         lines += ["", "Derived facts:"] + ["  " + s for s in a.facts.lines()]
+        learnable = tuple(i for i, c in enumerate(v.captures) if c.kind == ir.FLOAT)
+        grads = derive_pass.derive(a.score, learnable)
+        lines += ["", "Backward (dS' = P * (dP - Delta), Delta = rowsum(dO * O) - dlse):",
+                  f"  dS = dS' * ({grads.dscore})"]
+        lines += [f"  d loss / d {g.load} += sum over (q_idx, kv_idx) of dS' * ({g.derivative})" for g in grads.loads]
         lines += ["", f"scale = {v.scale if v.scale is not None else '1/sqrt(head_dim)'}, dropout_p = {v.dropout_p}"]
         paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]
         lines += ["", "Generated kernels in this process:"] + (["  " + p for p in paths] or ["  (none yet)"])
@@ -98,7 +117,6 @@ class CompiledAttention:
         return "\n".join(lines)
 
 
-from .autograd import AttentionFunction  # noqa: E402  (after CompiledAttention to keep imports one-way)
 
 
 def compile(variant: Variant) -> CompiledAttention:

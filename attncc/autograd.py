@@ -1,21 +1,52 @@
 """The torch autograd op around the generated kernels."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import runtime
 
 
+@dataclass
+class Launch:
+    """What the autograd op needs to run a variant's kernels for one call."""
+    compiled: object        # CompiledAttention: gives the generated modules
+    spec: object            # plan.Spec of the forward
+    scale: float
+
+    @property
+    def interpret(self) -> bool:
+        return self.spec.target == "interpreter"
+
+
 class AttentionFunction(torch.autograd.Function):
-    """out, lse = attention(q, k, v) through a generated forward module."""
+    """out, lse = attention(q, k, v; captured tensors) through generated kernels.
+
+    Backward follows FlashAttention-2: a preprocess kernel computes Delta = rowsum(dO * O) - dlse,
+    the dK/dV kernel and the dQ kernel recompute P from lse tile by tile; learnable captured
+    tensors receive float32 gradients by atomic adds, cast to their dtype at the end."""
 
     @staticmethod
-    def forward(ctx, q, k, v, module, interpret, scale, *captures):
-        out, lse = runtime.forward(module, q, k, v, captures, scale, interpret)
-        ctx.mark_non_differentiable(lse)
+    def forward(ctx, q, k, v, launch: Launch, *captures):
+        module = launch.compiled.module("fwd", launch.spec)
+        out, lse = runtime.forward(module, q, k, v, captures, launch.scale, launch.interpret)
+        ctx.launch = launch
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, *captures)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        raise NotImplementedError("attncc's backward pass is not implemented yet (tracked in the "
-                                  "backward issue); run the forward under torch.no_grad() for now")
+        q, k, v, out, lse, *captures = ctx.saved_tensors
+        launch = ctx.launch
+        learnable = tuple(i for i, c in enumerate(captures) if ctx.needs_input_grad[4 + i])
+        module = launch.compiled.module("bwd", launch.compiled.bwd_spec(launch.spec, learnable))
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dcaps = runtime.backward(module, q, k, v, out, lse, dout, dlse, captures, learnable,
+                                             launch.scale, launch.interpret)
+        grads = [None] * len(captures)
+        for i, g in zip(learnable, dcaps):
+            grads[i] = g.to(captures[i].dtype)
+        return (dq, dk, dv, None, *grads)

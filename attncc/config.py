@@ -24,3 +24,9 @@ def log_level() -> int | None:
 def force_interpreter() -> bool:
     """$ATTNCC_INTERPRET=1 runs CUDA tensors through the Triton interpreter too (debugging)."""
     return os.environ.get("ATTNCC_INTERPRET", "") not in ("", "0")
+
+
+def atomic_dq() -> bool:
+    """$ATTNCC_BWD_DQ=atomic accumulates dQ with atomics in the dK/dV kernel instead of running
+    the separate dQ kernel (the default, which is deterministic); kept to measure both."""
+    return os.environ.get("ATTNCC_BWD_DQ", "kernel") == "atomic"

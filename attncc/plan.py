@@ -66,7 +66,7 @@ class CapGrad:
     capture: int
     label: str       # the mods output holding d score_mod / d load
     offset: str      # Triton text of the element offset into the gradient buffer
-    bounds: str      # Triton text of the in-range predicate of the index
+    mask: str        # Triton text: the index is in range (and its row / column exists)
     reduce: str
 
 
@@ -141,12 +141,15 @@ def _cap_grad(g, j, printer_) -> CapGrad:
     index = g.load.args
     offset = " + ".join(f"({printer_.doprint(i)}).to(tl.int64) * dcap{g.capture}_stride{d}"
                         for d, i in enumerate(index)) or "0"
-    bounds = " & ".join(f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{g.capture}_size{d})"
-                        for d, i in enumerate(index)) or "True"
+    bounds = [f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{g.capture}_size{d})"
+              for d, i in enumerate(index)]
     syms = set().union(*[i.free_symbols for i in index]) if index else set()
     reduce = {(False, False): "both", (True, False): "kv", (False, True): "q", (True, True): "none"}[
         (Q in syms, KV in syms)]
-    return CapGrad(g.capture, f"dcap{j}", offset, bounds, reduce)
+    # rows / columns that exist: what the sum did not already fold away
+    valid = {"both": [], "kv": ["row_ok"], "q": ["col_ok"], "none": ["valid"]}[reduce]
+    mask = printer_.as_bool(" & ".join(valid + bounds)) if valid + bounds else "None"
+    return CapGrad(g.capture, f"dcap{j}", offset, mask, reduce)
 
 
 def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -> KernelPlan:
@@ -158,6 +161,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
     cap_info = tuple((nd, kind, lab) for (nd, kind), lab in zip(analysis.captures, labels))
     outputs = [(label, e) for label, e in (("score_mod", score), ("keep", keep)) if e is not None]
     grads = ()
+    interp = spec.target == "interpreter"
     if kernel == "fwd":
         fns = {"attn_fwd": {KV}}
     else:
@@ -165,9 +169,9 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
         if not f.score_identity and derived.dscore != 1:
             outputs.append(("dscore", derived.dscore))
         outputs += [(f"dcap{j}", g.derivative) for j, g in enumerate(derived.loads)]
-        grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info)) for j, g in enumerate(derived.loads))
+        grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
         fns = {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
-    mods = {fn: printer.emit(outputs, cap_info, loop_symbols=loop) for fn, loop in fns.items() if loop}
+    mods = {fn: printer.emit(outputs, cap_info, loop, interp) for fn, loop in fns.items() if loop}
     caps = tuple(
         CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
         for i, (nd, kind) in enumerate(analysis.captures))

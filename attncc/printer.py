@@ -24,9 +24,15 @@ from .passes import symbolic as S
 class TritonPrinter(StrPrinter):
     """Prints sympy expressions as Triton (triton.language as tl) expressions."""
 
-    def __init__(self, captures: tuple = ()):
+    def __init__(self, captures: tuple = (), interpreter: bool = False):
         super().__init__({"full_prec": True})
         self.captures = captures  # (ndim, kind, label) per capture number
+        # Triton's interpreter turns `scalar_bool & tensor_bool` into int32 (and then rejects it
+        # as a load mask): for that target, conjunctions are compared back to bool.
+        self.interpreter = interpreter
+
+    def as_bool(self, text: str) -> str:
+        return f"({text} != 0)" if self.interpreter else text
 
     def _print_Float(self, e):
         return repr(float(e))
@@ -128,20 +134,25 @@ class TritonPrinter(StrPrinter):
         return "(" + f" {op} ".join(self._print(a) for a in args) + ")"
 
     def _print_And(self, e):
-        return self._logic("&", e.args)
+        return self.as_bool(self._logic("&", e.args))
 
     def _print_Or(self, e):
-        return self._logic("|", e.args)
+        return self.as_bool(self._logic("|", e.args))
 
     def _print_Xor(self, e):
+        return self.as_bool(self._logic("^", e.args))
+
+    def _print_bit_and(self, e):
+        return self._logic("&", e.args)
+
+    def _print_bit_or(self, e):
+        return self._logic("|", e.args)
+
+    def _print_bit_xor(self, e):
         return self._logic("^", e.args)
 
     def _print_Not(self, e):
         return f"({self._print(e.args[0])} == 0)"
-
-    _print_bit_and = _print_And
-    _print_bit_or = _print_Or
-    _print_bit_xor = _print_Xor
 
     def _print_Heaviside(self, e):
         x = self._print(e.args[0])
@@ -174,7 +185,7 @@ class TritonPrinter(StrPrinter):
             else:
                 offsets.append(f"({text}).to(tl.int64) * {cap}_stride{d}")
                 bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
-        return (f"tl.load({cap}_ptr + {' + '.join(offsets)}, mask={' & '.join(bounds)}, other=0)"
+        return (f"tl.load({cap}_ptr + {' + '.join(offsets)}, mask={self.as_bool(' & '.join(bounds))}, other=0)"
                 f"{convert}")
 
 
@@ -190,13 +201,13 @@ class ModCode:
         return label in self.outputs
 
 
-def emit(outputs: list, captures: tuple, loop_symbols: set) -> ModCode:
+def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False) -> ModCode:
     """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
     Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a named
     temporary (``slopes0``); maximal subexpressions that do not read ``loop_symbols`` (kv_idx
     in the forward) or the score are hoisted before the tile loop (``inv<k>``)."""
-    printer = TritonPrinter(captures)
+    printer = TritonPrinter(captures, interpreter)
     labels = [label for label, _ in outputs]
     outputs = [e for _, e in outputs]
     temps, reduced = sp.cse(outputs, symbols=sp.numbered_symbols("t"), order="none") if outputs else ([], [])

@@ -94,3 +94,21 @@ def forward(module, q, k, v, captures, scale, interpret: bool):
 
 def _interp_captures(captures):
     return [c.float() if c.dtype == torch.bfloat16 else c for c in captures]
+
+
+def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, interpret: bool):
+    """dq, dk, dv and float32 gradients of the learnable captures from a generated bwd module."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dcaps = [torch.zeros(captures[i].shape, dtype=torch.float32, device=q.device) for i in learnable]
+    if dq.numel() == 0 and dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), dcaps
+    if interpret:
+        captures = _interp_captures(captures)
+        if q.dtype == torch.bfloat16:
+            # The interpreter computes on bf16's raw bits: run in float32, round once at the end.
+            f = [t.float() for t in (q, k, v, out, dout)]
+            g = [torch.empty_like(t) for t in f[:3]]
+            module.launch(*f[:4], lse, f[4], dlse, *g, captures, dcaps, scale)
+            return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), dcaps
+    module.launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale)
+    return dq, dk, dv, dcaps
