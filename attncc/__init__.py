@@ -3,9 +3,9 @@ kernels (Triton). Public API only; see README.md."""
 __version__ = "0.1.0"
 
 from . import ir, reference  # noqa: E402
-from .api import CompiledAttention, attention, compile  # noqa: E402
+from .api import CompiledAttention, attention, compile, dropout_mask  # noqa: E402
 from .errors import AttnccError, ModTraceError  # noqa: E402
 from .variant import Variant  # noqa: E402
 
-__all__ = ["attention", "compile", "Variant", "CompiledAttention", "AttnccError", "ModTraceError",
+__all__ = ["attention", "compile", "dropout_mask", "Variant", "CompiledAttention", "AttnccError", "ModTraceError",
            "ir", "reference", "__version__"]

@@ -48,13 +48,18 @@ class CompiledAttention:
         """The loaded generated module of one kernel ('fwd' or 'bwd') under a Spec."""
         return self._path_and_module(kernel, spec)[1]
 
-    def bwd_spec(self, fwd_spec: plan.Spec, learnable: tuple) -> plan.Spec:
+    def bwd_spec(self, fwd_spec: plan.Spec, learnable: tuple, deterministic: bool = False) -> plan.Spec:
         """The backward's Spec: the forward's plus which captures need gradients."""
         for i in learnable:
             if self.variant.captures[i].kind != ir.FLOAT:
                 raise AttnccError(f"captured tensor cap{i} ({self.variant.captures[i]!r}) requires grad but is "
                                   "not a float tensor; integer and bool captures are never differentiated")
-        return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=config.atomic_dq())
+        if deterministic and learnable:
+            raise NotImplementedError(
+                "deterministic=True with learnable captured tensors is not supported yet: their gradients "
+                "are accumulated with float32 atomics. dq, dk and dv are deterministic in every mode.")
+        atomic = config.atomic_dq() and not deterministic
+        return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic)
 
     def _path_and_module(self, kernel: str, spec: plan.Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)
@@ -68,17 +73,19 @@ class CompiledAttention:
             hit = _loaded[k] = (path, module)
         return hit
 
-    def __call__(self, query, key, value, enable_gqa: bool = False, return_lse: bool = False):
+    def __call__(self, query, key, value, enable_gqa: bool = False, return_lse: bool = False, *,
+                 training: bool = True, generator=None):
+        """Attention of the variant; ``training=False`` turns dropout off (evaluation)."""
         v = self.variant
-        if v.dropout_p > 0:
-            raise NotImplementedError("dropout_p > 0 is not implemented yet (tracked in the backward/"
-                                      "dropout issue); use dropout_p=0.0")
         group = check_qkv(query, key, value, enable_gqa)
         check_captures(v.captures, query.device)
         target = runtime.target_for(query.device)
-        spec = plan.Spec(_DTYPE_NAMES[query.dtype], query.shape[-1], value.shape[-1], group, target)
+        dropout = training and v.dropout_p > 0
+        spec = plan.Spec(_DTYPE_NAMES[query.dtype], query.shape[-1], value.shape[-1], group, target, dropout)
         scale = v.scale if v.scale is not None else 1.0 / math.sqrt(query.shape[-1])
-        out, lse = AttentionFunction.apply(query, key, value, Launch(self, spec, scale),
+        rng = (*runtime.draw_rng(generator), v.dropout_p) if dropout else ()
+        launch = Launch(self, spec, scale, rng, v.deterministic)
+        out, lse = AttentionFunction.apply(query, key, value, launch,
                                            *[c.tensor for c in v.captures])
         return (out, lse) if return_lse else out
 
@@ -125,11 +132,32 @@ def compile(variant: Variant) -> CompiledAttention:
 
 
 def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
-              return_lse=False, dropout_p=0.0):
+              return_lse=False, dropout_p=0.0, generator=None, deterministic=False):
     """FlashAttention with FlexAttention-style mods.
 
     query (B, Hq, Lq, D), key (B, Hkv, Lkv, D), value (B, Hkv, Lkv, Dv) -> (B, Hq, Lq, Dv);
     with return_lse=True also the float32 log-sum-exp (B, Hq, Lq), -inf for fully masked rows.
+    dropout_p applies whenever it is > 0, as in SDPA: pass 0.0 in evaluation. Its mask comes from
+    ``generator`` (default: torch's), so torch.manual_seed reproduces it.
     """
-    variant = Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p)
-    return CompiledAttention(variant)(query, key, value, enable_gqa=enable_gqa, return_lse=return_lse)
+    variant = Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p, deterministic=deterministic)
+    return CompiledAttention(variant)(query, key, value, enable_gqa=enable_gqa, return_lse=return_lse,
+                                      generator=generator)
+
+
+def dropout_mask(batch: int, heads: int, q_len: int, kv_len: int, dropout_p: float, *, seed=None, offset=None,
+                 generator=None, device="cpu") -> torch.Tensor:
+    """The bool keep-mask (batch, heads, q_len, kv_len) the kernels use for dropout.
+
+    With seed/offset omitted they are drawn from ``generator`` exactly as attncc.attention draws
+    them, so after the same torch.manual_seed this is the mask of that call."""
+    if seed is None or offset is None:
+        seed, offset = runtime.draw_rng(generator)
+    device = torch.device(device)
+    target = runtime.target_for(device)
+    compiled = CompiledAttention(Variant())
+    module = compiled.module("fwd", plan.Spec("float32", 16, 16, 1, target, True))
+    keep = torch.empty(batch, heads, q_len, kv_len, dtype=torch.int8, device=device)
+    if keep.numel():
+        module.dropout_mask(keep, seed, offset, float(dropout_p))
+    return keep.bool()

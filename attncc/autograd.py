@@ -14,6 +14,8 @@ class Launch:
     compiled: object        # CompiledAttention: gives the generated modules
     spec: object            # plan.Spec of the forward
     scale: float
+    rng: tuple = ()         # (seed, offset, dropout_p) when dropout is on
+    deterministic: bool = False
 
     @property
     def interpret(self) -> bool:
@@ -30,7 +32,7 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, launch: Launch, *captures):
         module = launch.compiled.module("fwd", launch.spec)
-        out, lse = runtime.forward(module, q, k, v, captures, launch.scale, launch.interpret)
+        out, lse = runtime.forward(module, q, k, v, captures, launch.scale, launch.interpret, launch.rng)
         ctx.launch = launch
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, *captures)
@@ -41,11 +43,12 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, *captures = ctx.saved_tensors
         launch = ctx.launch
         learnable = tuple(i for i, c in enumerate(captures) if ctx.needs_input_grad[4 + i])
-        module = launch.compiled.module("bwd", launch.compiled.bwd_spec(launch.spec, learnable))
+        spec = launch.compiled.bwd_spec(launch.spec, learnable, launch.deterministic)
+        module = launch.compiled.module("bwd", spec)
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv, dcaps = runtime.backward(module, q, k, v, out, lse, dout, dlse, captures, learnable,
-                                             launch.scale, launch.interpret)
+                                             launch.scale, launch.interpret, launch.rng)
         grads = [None] * len(captures)
         for i, g in zip(learnable, dcaps):
             grads[i] = g.to(captures[i].dtype)

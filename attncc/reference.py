@@ -83,8 +83,10 @@ def evaluate(root: ir.Node, env: dict, fdtype: torch.dtype, device) -> torch.Ten
     return vals[root]
 
 
-def attention_variant(variant: Variant, query, key, value, *, enable_gqa=False, return_lse=False):
-    """Materialised attention for a Variant (dropout is not applied: the reference is eval-mode)."""
+def attention_variant(variant: Variant, query, key, value, *, enable_gqa=False, return_lse=False,
+                      dropout_mask=None):
+    """Materialised attention for a Variant; dropout is applied only with an explicit keep-mask
+    (attncc.dropout_mask), scaling kept probabilities by 1 / (1 - dropout_p)."""
     group = check_qkv(query, key, value, enable_gqa, dtypes=DTYPES + (torch.float64,))
     B, H, Lq, D = query.shape
     Lkv = key.shape[2]
@@ -109,14 +111,19 @@ def attention_variant(variant: Variant, query, key, value, *, enable_gqa=False, 
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, 0.0).unsqueeze(-1))
     p = torch.where(finite.unsqueeze(-1), p, 0.0)
+    if dropout_mask is not None:
+        p = torch.where(dropout_mask.to(p.device), p / (1.0 - variant.dropout_p), 0.0)
     out = (p @ v).to(query.dtype)
     return (out, lse.to(torch.float32 if query.dtype != torch.float64 else dtype)) if return_lse else out
 
 
 def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
-              return_lse=False, dropout_p=0.0):
-    """Same signature as attncc.attention; computes the dense definition in PyTorch."""
-    if dropout_p:
-        raise NotImplementedError("dropout in the reference comes with the dropout issue; use dropout_p=0.0")
-    variant = Variant(score_mod, mask_mod, scale=scale)
-    return attention_variant(variant, query, key, value, enable_gqa=enable_gqa, return_lse=return_lse)
+              return_lse=False, dropout_p=0.0, dropout_mask=None):
+    """Same signature as attncc.attention; computes the dense definition in PyTorch. With
+    dropout_p > 0 pass the keep-mask to apply (attncc.dropout_mask gives the kernels' mask)."""
+    if dropout_p and dropout_mask is None:
+        raise ValueError("the reference applies dropout only with an explicit dropout_mask= "
+                         "(attncc.dropout_mask(...) gives the one the kernels use)")
+    variant = Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p)
+    return attention_variant(variant, query, key, value, enable_gqa=enable_gqa, return_lse=return_lse,
+                             dropout_mask=dropout_mask if dropout_p else None)

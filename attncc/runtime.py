@@ -74,7 +74,7 @@ def _like_query_layout(q: torch.Tensor, dv: int, dtype) -> torch.Tensor:
     return torch.empty(B, H, L, dv, dtype=dtype, device=q.device)
 
 
-def forward(module, q, k, v, captures, scale, interpret: bool):
+def forward(module, q, k, v, captures, scale, interpret: bool, rng=()):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) float32 from a generated fwd module."""
     B, H, Lq, _ = q.shape
     out = _like_query_layout(q, v.shape[-1], q.dtype)
@@ -85,10 +85,10 @@ def forward(module, q, k, v, captures, scale, interpret: bool):
         # The interpreter computes on bf16's raw bits; run in float32 and round once at the end.
         q, k, v = q.float(), k.float(), v.float()
         tmp = _like_query_layout(q, v.shape[-1], torch.float32)
-        module.launch(q, k, v, tmp, lse, _interp_captures(captures), scale)
+        module.launch(q, k, v, tmp, lse, _interp_captures(captures), scale, *rng)
         out.copy_(tmp)
         return out, lse
-    module.launch(q, k, v, out, lse, _interp_captures(captures) if interpret else captures, scale)
+    module.launch(q, k, v, out, lse, _interp_captures(captures) if interpret else captures, scale, *rng)
     return out, lse
 
 
@@ -96,7 +96,7 @@ def _interp_captures(captures):
     return [c.float() if c.dtype == torch.bfloat16 else c for c in captures]
 
 
-def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, interpret: bool):
+def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, interpret: bool, rng=()):
     """dq, dk, dv and float32 gradients of the learnable captures from a generated bwd module."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dcaps = [torch.zeros(captures[i].shape, dtype=torch.float32, device=q.device) for i in learnable]
@@ -108,7 +108,15 @@ def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, 
             # The interpreter computes on bf16's raw bits: run in float32, round once at the end.
             f = [t.float() for t in (q, k, v, out, dout)]
             g = [torch.empty_like(t) for t in f[:3]]
-            module.launch(*f[:4], lse, f[4], dlse, *g, captures, dcaps, scale)
+            module.launch(*f[:4], lse, f[4], dlse, *g, captures, dcaps, scale, *rng)
             return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), dcaps
-    module.launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale)
+    module.launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale, *rng)
     return dq, dk, dv, dcaps
+
+
+def draw_rng(generator=None) -> tuple[int, int]:
+    """(seed, offset) for one dropout call, from torch's default generator or ``generator``:
+    torch.manual_seed reproduces them and every call draws new ones."""
+    gen = generator if generator is not None else torch.default_generator
+    seed, offset = torch.randint(0, 2**31 - 1, (2,), generator=gen, device=gen.device).tolist()
+    return seed, offset

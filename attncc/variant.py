@@ -51,13 +51,17 @@ class Variant:
     score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool
     follow FlexAttention; either may also be an ``attncc.ir`` expression. Tensors the mods
     read are captured by reference: changing their contents needs no new kernel. ``scale``
-    defaults to 1/sqrt(head_dim).
+    defaults to 1/sqrt(head_dim). ``dropout_p`` applies in training calls (``training=False``
+    turns it off); ``deterministic=True`` makes gradients bitwise reproducible (the default dQ
+    kernel already is; it forbids the atomic dQ path).
     """
 
-    def __init__(self, score_mod=None, mask_mod=None, *, scale=None, dropout_p=0.0, name=None):
+    def __init__(self, score_mod=None, mask_mod=None, *, scale=None, dropout_p=0.0, name=None,
+                 deterministic=False):
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.scale = check_scale(scale)
         self.dropout_p = _check_dropout(dropout_p)
+        self.deterministic = bool(deterministic)
         self.score_ir = ir.score if score_mod is None else trace(score_mod, "score_mod")
         self.mask_ir = None if mask_mod is None else trace(mask_mod, "mask_mod")
         self.captures = ir.captures(self.score_ir, self.mask_ir)
