@@ -1,0 +1,75 @@
+"""Dropout: the kernels' Philox mask equals attncc.dropout_mask, and everything follows from it."""
+import pytest
+import torch
+
+import attncc
+
+causal = lambda b, h, q, k: q >= k
+
+
+def _inputs(B=2, H=2, Lq=45, Lkv=70, D=16, seed=0):
+    torch.manual_seed(seed)
+    return [torch.randn(B, H, L, D, requires_grad=True) for L in (Lq, Lkv, Lkv)]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_output_and_grads_match_reference_with_same_mask(p):
+    q, k, v = _inputs()
+    torch.manual_seed(1234)
+    out = attncc.attention(q, k, v, mask_mod=causal, dropout_p=p)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    torch.manual_seed(1234)
+    keep = attncc.dropout_mask(2, 2, 45, 70, p)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = attncc.reference.attention(qd, kd, vd, mask_mod=causal, dropout_p=p, dropout_mask=keep)
+    want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    for g, w in zip(got, want):
+        assert ((g.double() - w).norm() / w.norm()).item() < 1e-5
+
+
+def test_keep_rate_statistics():
+    p = 0.3
+    keep = attncc.dropout_mask(2, 4, 128, 128, p, seed=7, offset=11)
+    n = keep.numel()
+    rate = keep.float().mean().item()
+    sigma = ((p * (1 - p)) / n) ** 0.5
+    assert abs(rate - (1 - p)) < 5 * sigma
+    # neither rows nor heads share a pattern
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+
+
+def test_reproducible_under_manual_seed_and_fresh_per_call():
+    q, k, v = _inputs()
+    torch.manual_seed(5)
+    a = attncc.attention(q, k, v, dropout_p=0.2)
+    b = attncc.attention(q, k, v, dropout_p=0.2)
+    torch.manual_seed(5)
+    a2 = attncc.attention(q, k, v, dropout_p=0.2)
+    assert torch.equal(a, a2)
+    assert not torch.equal(a, b)
+
+
+def test_explicit_generator():
+    q, k, v = _inputs()
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(attncc.attention(q, k, v, dropout_p=0.2, generator=g1),
+                       attncc.attention(q, k, v, dropout_p=0.2, generator=g2))
+
+
+def test_eval_mode_and_zero_p_compile_the_rng_out():
+    q, k, v = _inputs()
+    kernel = attncc.compile(attncc.Variant(mask_mod=causal, dropout_p=0.4))
+    plain = attncc.attention(q, k, v, mask_mod=causal)
+    assert torch.equal(kernel(q, k, v, training=False), plain)
+    assert not torch.equal(kernel(q, k, v), plain)
+    src = attncc.compile(attncc.Variant(mask_mod=causal)).source("fwd", dtype=torch.float16, head_dim=64)
+    assert "DROPOUT=False" in src
+
+
+def test_lse_is_that_of_the_undropped_softmax():
+    q, k, v = _inputs()
+    _, lse = attncc.attention(q, k, v, mask_mod=causal, dropout_p=0.5, return_lse=True)
+    _, lse0 = attncc.attention(q, k, v, mask_mod=causal, return_lse=True)
+    assert torch.allclose(lse, lse0)

@@ -1,0 +1,75 @@
+"""Backward and dropout on the GPU in bf16 and fp16 against float64 autograd (skipped without CUDA)."""
+import pytest
+import torch
+
+import attncc
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+causal = lambda b, h, q, k: q >= k
+TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 8, 8, 1000, 1000, 128, 128), (2, 8, 2, 777, 1000, 64, 64),
+                                   (1, 4, 4, 300, 513, 80, 80), (1, 4, 4, 129, 200, 192, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", ["causal", "softcap", "alibi_learnable", "relbias_learnable"])
+def test_backward_gpu(dtype, shape, variant):
+    B, H, Hkv, Lq, Lkv, D, Dv = shape
+    dev = "cuda"
+    torch.manual_seed(0)
+    slopes = torch.rand(H, device=dev, requires_grad=True)
+    table = (0.1 * torch.randn(H, Lq + Lkv + 1, device=dev)).requires_grad_()
+    sm, caps = {
+        "causal": (None, ()),
+        "softcap": (lambda s, b, h, q, k: 30 * torch.tanh(s / 30), ()),
+        "alibi_learnable": (lambda s, b, h, q, k: s + slopes[h] * (k - q), (slopes,)),
+        "relbias_learnable": (lambda s, b, h, q, k: s + table[h, q - k + Lkv], (table,)),
+    }[variant]
+    q = torch.randn(B, H, Lq, D, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, Lkv, D, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, Lkv, Dv, device=dev, dtype=dtype, requires_grad=True)
+    out = attncc.attention(q, k, v, sm, causal, enable_gqa=H != Hkv)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, *caps), do)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = attncc.reference.attention(qd, kd, vd, sm, causal, enable_gqa=H != Hkv)
+    want = torch.autograd.grad(ref, (qd, kd, vd, *caps), do.double())
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.isfinite(g).all()
+        bound = TOL[dtype] * (1 if i < 3 else 10)  # capture grads sum many bf16-rounded terms
+        assert _rel(g, w) < bound, (i, _rel(g, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dropout_gpu_matches_mask(dtype):
+    torch.manual_seed(0)
+    B, H, L, D = 2, 4, 1000, 64
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    torch.manual_seed(11)
+    out = attncc.attention(q, k, v, mask_mod=causal, dropout_p=0.1)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    torch.manual_seed(11)
+    keep = attncc.dropout_mask(B, H, L, L, 0.1, device="cuda")
+    assert abs(keep.float().mean().item() - 0.9) < 0.01
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = attncc.reference.attention(qd, kd, vd, mask_mod=causal, dropout_p=0.1, dropout_mask=keep)
+    want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    assert _rel(out, ref) < TOL[dtype]
+    for g, w in zip(got, want):
+        assert _rel(g, w) < TOL[dtype]
+
+
+def test_deterministic_gpu():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    runs = [torch.autograd.grad(attncc.attention(q, k, v, mask_mod=causal, deterministic=True), (q, k, v), do)
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
