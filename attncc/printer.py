@@ -55,37 +55,43 @@ class TritonPrinter(StrPrinter):
     def _call(self, fn, *args):
         return f"{fn}({', '.join(self._print(a) for a in args)})"
 
+    def _fcall(self, fn, x):
+        """A float-only Triton function: integer arguments are converted first (sympy drops
+        int -> float casts, which keep the value)."""
+        text = self._print(x)
+        return f"{fn}(({text}).to(tl.float32))" if x.is_integer else f"{fn}({text})"
+
     def _print_Pow(self, e, rational=False):
         base, ex = e.args
         if ex == sp.S.Half:
-            return self._call("tl.sqrt", base)
+            return self._fcall("tl.sqrt", base)
         if ex == -sp.S.Half:
-            return self._call("tl.rsqrt", base)
+            return self._fcall("tl.rsqrt", base)
         if ex.is_Integer and 0 < ex <= 4:
             return "(" + " * ".join([self.parenthesize(base, 50)] * int(ex)) + ")"
         if ex.is_Integer and -4 <= ex < 0:
             return f"(1.0 / {self._print(base ** -ex)})"
         if base == 2:
-            return self._call("tl.exp2", ex)
+            return self._fcall("tl.exp2", ex)
         return f"tl.exp2({self._print(ex)} * tl.log2({self._print(base)}))"
 
     def _print_exp(self, e):
-        return self._call("tl.exp", e.args[0])
+        return self._fcall("tl.exp", e.args[0])
 
     def _print_exp2(self, e):
-        return self._call("tl.exp2", e.args[0])
+        return self._fcall("tl.exp2", e.args[0])
 
     def _print_log(self, e):
-        return self._call("tl.log", e.args[0])
+        return self._fcall("tl.log", e.args[0])
 
     def _print_log2(self, e):
-        return self._call("tl.log2", e.args[0])
+        return self._fcall("tl.log2", e.args[0])
 
     def _print_tanh(self, e):
-        return self._call("_tanh", e.args[0])
+        return self._fcall("_tanh", e.args[0])
 
     def _print_sigmoid(self, e):
-        return self._call("tl.sigmoid", e.args[0])
+        return self._fcall("tl.sigmoid", e.args[0])
 
     def _print_Abs(self, e):
         return self._call("tl.abs", e.args[0])

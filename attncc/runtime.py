@@ -99,6 +99,8 @@ def _interp_captures(captures):
 def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, interpret: bool, rng=()):
     """dq, dk, dv and float32 gradients of the learnable captures from a generated bwd module."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dlse is not None:
+        dlse = dlse.contiguous()  # read as (B, H, Lq) rows; lse.sum() hands back an expanded view
     dcaps = [torch.zeros(captures[i].shape, dtype=torch.float32, device=q.device) for i in learnable]
     if dq.numel() == 0 and dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dcaps

@@ -1,0 +1,180 @@
+"""The kernel source cache: in process, on disk under ATTNCC_CACHE_DIR, across processes; and
+snapshot-style checks of what the generated source contains."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+import attncc
+from conftest import check, randn_qkv
+from variants import BUILDERS, causal_mask
+
+
+def _alibi_kernel(H=4):
+    return attncc.compile(attncc.Variant(*BUILDERS["alibi"](1, H, 0, 0, "cpu")))
+
+
+def _paths_of(kernel) -> list[Path]:
+    """Forward sources generated in this process for the kernel's variant (any Spec)."""
+    return [Path(p) for (key, kind, _), (p, _) in attncc.api._loaded.items()
+            if key == kernel.variant.ir_key and kind == "fwd"]
+
+
+def test_second_call_generates_nothing():
+    torch.manual_seed(0)
+    kernel = _alibi_kernel()
+    q, k, v = randn_qkv(1, 4, 4, 40, 40, 16)
+    first = kernel(q, k, v)
+    stats = dict(attncc.cache.stats)
+    second = kernel(q, k, v)
+    assert attncc.cache.stats == stats
+    assert torch.equal(first, second)
+    # a new Variant of the same structure, reading other tensors, shares the kernel
+    again = _alibi_kernel()
+    check(q, k, v, again.variant.score_mod, again.variant.mask_mod, kernel=again)
+    assert attncc.cache.stats["codegen"] == stats["codegen"]
+
+
+def test_new_specialisation_generates_new_source():
+    torch.manual_seed(1)
+    kernel = attncc.compile(attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + 3))
+    q, k, v = randn_qkv(1, 2, 2, 20, 20, 16)
+    kernel(q, k, v)
+    codegen = attncc.cache.stats["codegen"]
+    kernel(q.half(), k.half(), v.half())  # dtype
+    kernel(*randn_qkv(1, 2, 2, 20, 20, 32))  # head dim
+    kernel(*randn_qkv(1, 4, 2, 20, 20, 16), enable_gqa=True)  # GQA group
+    assert attncc.cache.stats["codegen"] == codegen + 3
+    assert len(set(_paths_of(kernel))) == 4
+
+
+def test_source_lands_under_cache_dir(attncc_cache_dir):
+    torch.manual_seed(2)
+    kernel = _alibi_kernel(H=2)
+    kernel(*randn_qkv(1, 2, 2, 10, 10, 16))
+    root = Path(attncc_cache_dir).resolve()
+    assert attncc.cache.folder().resolve().is_relative_to(root)
+    paths = _paths_of(kernel)
+    assert paths
+    for p in paths:
+        assert p.resolve().is_relative_to(root), f"{p} is outside ATTNCC_CACHE_DIR={root}"
+        assert p.is_file() and p.suffix == ".py"
+        assert "def attn_fwd" in p.read_text() or "def attn_bwd_dkdv" in p.read_text()
+    assert str(paths[0]) in kernel.explain()
+    assert not list(attncc.cache.folder().glob("*.tmp")), "temporary files left in the cache folder"
+
+
+def test_source_text():
+    kernel = _alibi_kernel()
+    src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128)
+    assert "@triton.jit" in src and "def attn_fwd(" in src and "def launch(" in src
+    assert "bfloat16" in src and "head_dim=128" in src
+    compile(src, "<generated>", "exec")  # valid Python
+    interp = kernel.source("fwd", dtype=torch.float32, head_dim=64, target="interpreter")
+    assert "def attn_fwd(" in interp and "float32" in interp and "target=interpreter" in interp
+
+
+def _loop_split(src: str) -> tuple[str, str]:
+    """(before the tile loop, the loop and after) of a generated forward kernel."""
+    start = src.index("def attn_fwd(")
+    loop = src.index("for start_n", start)
+    return src[start:loop], src[loop:]
+
+
+def test_snapshot_causal_mask_line():
+    src = attncc.compile(attncc.Variant(mask_mod=causal_mask)).source("fwd", dtype=torch.float16, head_dim=64)
+    _, loop = _loop_split(src)
+    assert re.search(r"^\s+keep = \(q_idx >= kv_idx\)$", loop, re.M), loop
+    assert re.search(r'^\s+s = tl\.where\(col_ok & keep, s, float\("-inf"\)\)', loop, re.M)
+    # the identity score_mod folds the scale into exp2: no score tile is formed
+    assert "qk_scale = sm_scale * 1.4426950408889634" in src and "score = qk * sm_scale" not in src
+
+
+def test_snapshot_alibi_hoists_slopes_load():
+    src = _alibi_kernel().source("fwd", dtype=torch.float16, head_dim=64)
+    before, loop = _loop_split(src)
+    load = re.search(r"^\s+(\w+) = tl\.load\(cap0_ptr \+ \(h\)\.to\(tl\.int64\) \* cap0_stride0", before, re.M)
+    assert load, f"slopes[h] is not loaded before the tile loop:\n{before}"
+    assert "tl.load(cap0_ptr" not in loop, "slopes are (also) loaded inside the tile loop"
+    assert re.search(rf"score_mod = .*\b{load.group(1)}\b", loop), "the loop does not use the hoisted slope"
+    assert "keep = (q_idx >= kv_idx)" in loop
+
+
+def test_snapshot_document_mask_hoists_query_ids_only():
+    kernel = attncc.compile(attncc.Variant(*BUILDERS["document"](1, 2, 40, 40, "cpu")))
+    before, loop = _loop_split(kernel.source("fwd", dtype=torch.float16, head_dim=64))
+    assert "tl.load(cap0_ptr + (q_idx)" in before and "tl.load(cap0_ptr" not in loop  # doc_q[q_idx]: once per program
+    assert "tl.load(cap1_ptr + (kv_idx)" in loop and "tl.load(cap1_ptr" not in before  # doc_kv[kv_idx]: per tile
+
+
+_SUBPROCESS = textwrap.dedent("""
+    import json, sys, torch, attncc
+
+    def cache_probe(score, b, h, q_idx, kv_idx):  # a structure no other test uses
+        return score - slopes[h] * torch.abs(kv_idx - q_idx) * 0.25
+
+    torch.manual_seed(0)
+    slopes = torch.rand(4)
+    q, k, v = (torch.randn(1, 4, 40, 16) for _ in range(3))
+    out = attncc.attention(q, k, v, cache_probe, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    ref = attncc.reference.attention(q.double(), k.double(), v.double(), cache_probe,
+                                     lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    print(json.dumps({**attncc.cache.stats, "err": err, "folder": str(attncc.cache.folder())}))
+""")
+
+
+def _run_subprocess(cache_dir: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # attncc switches it on itself
+    env["ATTNCC_CACHE_DIR"] = cache_dir
+    if torch.cuda.is_available():
+        env["ATTNCC_INTERPRET"] = "1"  # CPU tensors in the child need the interpreter
+    res = subprocess.run([sys.executable, "-c", _SUBPROCESS], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_reads_the_disk_cache(tmp_path):
+    first = _run_subprocess(str(tmp_path))
+    assert first["codegen"] >= 1 and first["disk_hits"] == 0
+    assert Path(first["folder"]).resolve().is_relative_to(tmp_path.resolve())
+    files = sorted(Path(first["folder"]).glob("fwd_*.py"))
+    assert len(files) == first["codegen"]
+    second = _run_subprocess(str(tmp_path))
+    assert second["codegen"] == 0 and second["disk_hits"] >= 1
+    assert sorted(Path(second["folder"]).glob("fwd_*.py")) == files
+    assert first["err"] < 1e-5 and second["err"] < 1e-5
+
+
+def test_second_process_shares_the_session_cache(attncc_cache_dir):
+    """The subprocess variant, first generated here, is found on disk by a child process.
+    (Source files are named by variant name too, so the probe's structure must be unique in
+    this process: an identical variant under another name would reuse its loaded module.)"""
+    torch.manual_seed(0)
+    slopes = torch.rand(4)
+
+    def cache_probe(score, b, h, q_idx, kv_idx):  # a structure no other test uses
+        return score - slopes[h] * torch.abs(kv_idx - q_idx) * 0.25
+    attncc.attention(*randn_qkv(1, 4, 4, 40, 40, 16), cache_probe, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    child = _run_subprocess(attncc_cache_dir)
+    assert child["codegen"] == 0 and child["disk_hits"] >= 1 and child["err"] < 1e-5
+
+
+def test_edited_cached_source_is_what_runs(tmp_path):
+    """README: an edited copy of a generated kernel in the cache is what attncc runs."""
+    first = _run_subprocess(str(tmp_path))
+    (path,) = Path(first["folder"]).glob("fwd_*.py")
+    src = path.read_text()
+    line = "s = score_mod * 1.4426950408889634"
+    assert line in src, src
+    path.write_text(src.replace(line, line.replace("score_mod", "(score_mod * 0.0)"), 1))
+    edited = _run_subprocess(str(tmp_path))
+    assert edited["codegen"] == 0
+    assert edited["err"] > 1e-2  # uniform causal weights now, far from the reference

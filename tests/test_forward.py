@@ -1,0 +1,329 @@
+"""Forward results of every example variant against the float64 reference, on CPU through the
+Triton interpreter, plus layouts, masking edge cases, scale, lse and runtime-argument reuse."""
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+import attncc
+from attncc import ir
+from conftest import LSE_TOL, REL_TOL, check, randn_qkv, reference, rel_err
+from variants import BUILDERS, NAMES, alibi_slopes, causal_mask
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+BATCHES = [1, 2]
+HEADS = [(4, 4), (4, 1), (6, 2)]
+LENGTHS = [1, 17, 64, 200]
+HEAD_DIMS = [16, 64, 80]
+CASES_PER_PAIR = 4  # per (variant, dtype)
+
+
+def _spread(rng: random.Random, values: list, n: int) -> list:
+    """n values in which every one of ``values`` appears (n >= len(values)), shuffled."""
+    out = [values[i % len(values)] for i in range(n)]
+    rng.shuffle(out)
+    return out
+
+
+def _cases() -> list:
+    """A fixed sample of the shape x dtype x variant product: every (variant, dtype) pair
+    CASES_PER_PAIR times, every value of every axis at least once."""
+    rng = random.Random(20240611)
+    pairs = [(name, dt) for name in NAMES for dt in DTYPES] * CASES_PER_PAIR
+    n = len(pairs)
+    axes = {
+        "B": _spread(rng, BATCHES, n), "heads": _spread(rng, HEADS, n),
+        "Lq": _spread(rng, LENGTHS, n), "Lkv": _spread(rng, LENGTHS, n),
+        "D": _spread(rng, HEAD_DIMS, n),
+        # a quarter of the cases get a value head dim different from D
+        "dv_differs": _spread(rng, [True, False, False, False], n),
+    }
+    cases = []
+    for i, (name, dt) in enumerate(pairs):
+        D = axes["D"][i]
+        Dv = rng.choice([x for x in (16, 32, 48, 64, 80) if x != D]) if axes["dv_differs"][i] else D
+        Hq, Hkv = axes["heads"][i]
+        cases.append((name, dt, axes["B"][i], Hq, Hkv, axes["Lq"][i], axes["Lkv"][i], D, Dv))
+    return cases
+
+
+CASES = _cases()
+
+
+def _param(case):
+    name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv = case
+    cid = f"{name}-{dt}-B{B}-H{Hq}x{Hkv}-L{Lq}x{Lkv}-D{D}" + (f"-Dv{Dv}" if Dv != D else "")
+    return pytest.param(*case, id=cid)
+
+
+def test_case_sample_covers_every_axis():
+    """The sampled forward cases keep the coverage promised in _cases()."""
+    pairs = {(c[0], c[1]) for c in CASES}
+    assert pairs == {(n, d) for n in NAMES for d in DTYPES}
+    assert {c[2] for c in CASES} == set(BATCHES)
+    assert {(c[3], c[4]) for c in CASES} == set(HEADS)
+    assert {c[5] for c in CASES} == set(LENGTHS)
+    assert {c[6] for c in CASES} == set(LENGTHS)
+    assert {c[7] for c in CASES} == set(HEAD_DIMS)
+    assert any(c[8] != c[7] for c in CASES)
+    assert any(c[5] != c[6] for c in CASES)
+    assert 60 <= len(CASES) <= 80
+
+
+@pytest.mark.parametrize("name,dt,B,Hq,Hkv,Lq,Lkv,D,Dv", [_param(c) for c in CASES])
+def test_variant_matches_reference(name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv):
+    torch.manual_seed(zlib.crc32(repr((name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
+    score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cpu")
+    q, k, v = randn_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype=DTYPES[dt])
+    out, lse, _ = check(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    assert out.shape == (B, Hq, Lq, Dv)
+    assert lse.shape == (B, Hq, Lq)
+
+
+def test_bf16_on_cpu():
+    torch.manual_seed(0)
+    score_mod, mask_mod = BUILDERS["alibi"](2, 4, 50, 70, "cpu")
+    q, k, v = randn_qkv(2, 4, 2, 50, 70, 64, dtype=torch.bfloat16)
+    out, lse, _ = check(q, k, v, score_mod, mask_mod, enable_gqa=True)
+    assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["full", "causal", "alibi", "document"])
+def test_blhd_transposed_inputs_match_contiguous(name):
+    """(B, L, H, D) tensors passed as .transpose(1, 2) views (no copy) give the same result."""
+    torch.manual_seed(1)
+    B, H, Lq, Lkv, D = 2, 3, 45, 38, 32
+    score_mod, mask_mod = BUILDERS[name](B, H, Lq, Lkv, "cpu")
+    q = torch.randn(B, Lq, H, D).transpose(1, 2)
+    k = torch.randn(B, Lkv, H, D).transpose(1, 2)
+    v = torch.randn(B, Lkv, H, D).transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    out, _, _ = check(q, k, v, score_mod, mask_mod)
+    dense = attncc.attention(q.contiguous(), k.contiguous(), v.contiguous(), score_mod, mask_mod)
+    torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
+
+
+def test_output_layout_follows_query():
+    torch.manual_seed(2)
+    B, H, L, D = 2, 4, 33, 16
+    q = torch.randn(B, L, H, D).transpose(1, 2)
+    k = torch.randn(B, L, H, D).transpose(1, 2)
+    v = torch.randn(B, L, H, D).transpose(1, 2)
+    out, _, _ = check(q, k, v, None, causal_mask)
+    assert out.shape == (B, H, L, D)
+    assert out.transpose(1, 2).is_contiguous(), f"output strides {out.stride()} do not follow the query's"
+    out2 = attncc.attention(q.contiguous(), k, v, mask_mod=causal_mask)
+    assert out2.is_contiguous()
+
+
+def test_strided_inputs_with_padding():
+    """Views whose rows are not packed (sliced from a wider buffer) read the right elements."""
+    torch.manual_seed(3)
+    base_q = torch.randn(2, 4, 40, 48)
+    base_kv = torch.randn(2, 4, 50, 2, 48)
+    q = base_q[..., 8:40]                    # head dim 32 out of 48
+    k = base_kv[:, :, :, 0, :32]             # interleaved k/v
+    v = base_kv[:, :, :, 1, 16:]
+    check(q, k, v, None, causal_mask)
+
+
+ROW_MASKS = {
+    "every_third_row": lambda b, h, q_idx, kv_idx: q_idx % 3 != 0,
+    "per_head_rows": lambda b, h, q_idx, kv_idx: (q_idx + h) % 4 != 0,
+    "first_rows_of_batch_1": lambda b, h, q_idx, kv_idx: (b == 0) | (q_idx >= 5),
+    "nothing": lambda b, h, q_idx, kv_idx: kv_idx < 0,
+}
+
+
+@pytest.mark.parametrize("mask_name", list(ROW_MASKS))
+@pytest.mark.parametrize("dt", ["fp32", "fp16"])
+def test_fully_masked_rows_give_zero_and_neg_inf(mask_name, dt):
+    torch.manual_seed(4)
+    B, H, Lq, Lkv, D = 2, 4, 40, 37, 16
+    mask_mod = ROW_MASKS[mask_name]
+    q, k, v = randn_qkv(B, H, H, Lq, Lkv, D, dtype=DTYPES[dt])
+    out, lse, _ = check(q, k, v, None, mask_mod)
+    _, ref_lse = reference(q, k, v, None, mask_mod)
+    masked = torch.isneginf(ref_lse)
+    assert masked.any(), "the mask should fully mask some rows"
+    assert torch.isneginf(lse[masked]).all()
+    assert (out[masked] == 0).all()
+    if mask_name == "nothing":
+        assert masked.all() and (out == 0).all()
+    else:
+        assert (~masked).any() and torch.isfinite(lse[~masked]).all()
+
+
+def test_rows_masked_by_score_mod_minus_inf():
+    """A score_mod that sends a whole row to -inf behaves like a fully masked row."""
+    torch.manual_seed(5)
+    q, k, v = randn_qkv(1, 2, 2, 30, 40, 16)
+
+    def drop_odd_rows(score, b, h, q_idx, kv_idx):
+        return score + torch.where(q_idx % 2 == 1, float("-inf"), 0.0)
+    out, lse, _ = check(q, k, v, drop_odd_rows, None)
+    assert torch.isneginf(lse[:, :, 1::2]).all() and (out[:, :, 1::2] == 0).all()
+    assert torch.isfinite(lse[:, :, ::2]).all()
+
+
+@pytest.mark.parametrize("Lkv", [1, 2, 3])
+@pytest.mark.parametrize("name", ["full", "causal", "document"])
+def test_tiny_kv_length(name, Lkv):
+    torch.manual_seed(6)
+    Lq = 50
+    score_mod, mask_mod = BUILDERS[name](1, 2, Lq, Lkv, "cpu")
+    q, k, v = randn_qkv(1, 2, 2, Lq, Lkv, 16)
+    check(q, k, v, score_mod, mask_mod)
+
+
+@pytest.mark.parametrize("dt", ["fp32", "fp16"])
+def test_return_lse_shape_and_dtype(dt):
+    torch.manual_seed(7)
+    q, k, v = randn_qkv(2, 6, 2, 21, 35, 16, 32, dtype=DTYPES[dt])
+    out = attncc.attention(q, k, v, enable_gqa=True)
+    assert isinstance(out, torch.Tensor)
+    assert out.shape == (2, 6, 21, 32) and out.dtype == q.dtype
+    res = attncc.attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert isinstance(res, tuple) and len(res) == 2
+    out2, lse = res
+    assert lse.shape == (2, 6, 21) and lse.dtype == torch.float32
+    assert torch.equal(out, out2)
+    # natural-log units: lse = logsumexp(q.k / sqrt(D)) over each row
+    qd, kd = q.double(), k.double().repeat_interleave(3, dim=1)
+    expect = torch.logsumexp(qd @ kd.transpose(-1, -2) / 4.0, dim=-1)
+    assert (lse.double() - expect).abs().max().item() < LSE_TOL[q.dtype]
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.05, 0.7, -1.5])
+def test_scale_is_honored(scale):
+    torch.manual_seed(8)
+    q, k, v = randn_qkv(1, 2, 2, 40, 40, 32)
+    out, lse, _ = check(q, k, v, None, causal_mask, scale=scale)
+    default = attncc.attention(q, k, v, mask_mod=causal_mask)
+    assert rel_err(out, default) > 1e-3, "scale had no effect"
+    if scale == 0.0:  # uniform weights over the causal prefix: the running mean of v
+        mean = v.cumsum(dim=2) / torch.arange(1, 41).view(1, 1, 40, 1)
+        assert rel_err(out, mean) < REL_TOL[torch.float32]
+
+
+def test_scale_on_compiled_variant():
+    torch.manual_seed(9)
+    q, k, v = randn_qkv(1, 2, 2, 30, 30, 16)
+    kernel = attncc.compile(attncc.Variant(mask_mod=causal_mask, scale=0.3))
+    check(q, k, v, None, causal_mask, kernel=kernel, scale=0.3)
+
+
+def test_capture_changed_in_place_changes_result_without_codegen():
+    torch.manual_seed(10)
+    B, H, L, D = 1, 4, 40, 16
+    slopes = alibi_slopes(H, "cpu")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    kernel = attncc.compile(attncc.Variant(alibi, causal_mask))
+    q, k, v = randn_qkv(B, H, H, L, L, D)
+    before, _, _ = check(q, k, v, alibi, causal_mask, kernel=kernel)
+    codegen = attncc.cache.stats["codegen"]
+    slopes.mul_(4.0)
+    after, _, _ = check(q, k, v, alibi, causal_mask, kernel=kernel)  # the reference sees new slopes
+    assert rel_err(after, before) > 1e-2, "in-place change of a captured tensor was ignored"
+    assert attncc.cache.stats["codegen"] == codegen, "changing captured data generated new source"
+
+
+def test_zero_dim_capture_is_a_runtime_scalar():
+    torch.manual_seed(11)
+    temp = torch.tensor(0.5)
+
+    def temperature(score, b, h, q_idx, kv_idx):
+        return score * temp
+    kernel = attncc.compile(attncc.Variant(temperature))
+    assert len(kernel.variant.captures) == 1 and kernel.variant.captures[0].tensor is temp
+    q, k, v = randn_qkv(2, 2, 2, 33, 33, 16)
+    first, _, _ = check(q, k, v, temperature, kernel=kernel)
+    codegen = attncc.cache.stats["codegen"]
+    temp.fill_(3.0)
+    second, _, _ = check(q, k, v, temperature, kernel=kernel)
+    assert rel_err(second, first) > 1e-2
+    assert attncc.cache.stats["codegen"] == codegen
+    # the same value given as scale instead
+    torch.testing.assert_close(second, attncc.attention(q, k, v, scale=3.0 / 4.0), rtol=1e-5, atol=1e-6)
+
+
+def test_zero_dim_int_capture_in_mask():
+    torch.manual_seed(12)
+    window = torch.tensor(5)
+
+    def window_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    kernel = attncc.compile(attncc.Variant(mask_mod=window_mask))
+    q, k, v = randn_qkv(1, 2, 2, 40, 40, 16)
+    narrow, _, _ = check(q, k, v, None, window_mask, kernel=kernel)
+    codegen = attncc.cache.stats["codegen"]
+    window.fill_(20)
+    wide, _, _ = check(q, k, v, None, window_mask, kernel=kernel)
+    assert rel_err(wide, narrow) > 1e-2
+    assert attncc.cache.stats["codegen"] == codegen
+
+
+def test_new_sequence_length_needs_no_new_source():
+    torch.manual_seed(13)
+    score_mod, mask_mod = BUILDERS["alibi"](1, 2, 0, 0, "cpu")  # captures only a per-head tensor
+    kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
+    q, k, v = randn_qkv(1, 2, 2, 40, 40, 16)
+    check(q, k, v, score_mod, mask_mod, kernel=kernel)
+    codegen = attncc.cache.stats["codegen"]
+    for Lq, Lkv in [(70, 70), (5, 90), (90, 5), (1, 1)]:
+        q, k, v = randn_qkv(1, 2, 2, Lq, Lkv, 16)
+        check(q, k, v, score_mod, mask_mod, kernel=kernel)
+    q, k, v = randn_qkv(2, 2, 2, 30, 30, 16)  # batch size is runtime too
+    check(q, k, v, score_mod, mask_mod, kernel=kernel)
+    assert attncc.cache.stats["codegen"] == codegen
+
+
+def test_ir_written_variant_equals_traced():
+    torch.manual_seed(14)
+    B, H, Lq, Lkv, D = 2, 4, 40, 50, 16
+    slopes = alibi_slopes(H, "cpu")
+    doc = torch.sort(torch.randint(0, 3, (Lkv,))).values
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+    traced = attncc.Variant(alibi, causal_document)
+    written = attncc.Variant(ir.score + ir.load(slopes, ir.h) * (ir.kv_idx - ir.q_idx),
+                             (ir.q_idx >= ir.kv_idx) & ir.eq(ir.load(doc, ir.q_idx), ir.load(doc, ir.kv_idx)))
+    assert written.ir_key == traced.ir_key
+    assert written.analysis.key == traced.analysis.key
+    q, k, v = randn_qkv(B, H, H, Lq, Lkv, D)
+    out_traced, _, _ = check(q, k, v, alibi, causal_document, kernel=attncc.compile(traced))
+    out_written, _, _ = check(q, k, v, written.score_mod, written.mask_mod, kernel=attncc.compile(written))
+    assert torch.equal(out_traced, out_written)
+
+
+def test_gqa_equals_repeated_kv():
+    """enable_gqa with Hkv | Hq equals plain attention on K/V repeated per group."""
+    torch.manual_seed(15)
+    score_mod, mask_mod = BUILDERS["alibi"](1, 6, 33, 47, "cpu")
+    q, k, v = randn_qkv(1, 6, 2, 33, 47, 16)
+    out, _, _ = check(q, k, v, score_mod, mask_mod, enable_gqa=True)
+    repeated = attncc.attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), score_mod, mask_mod)
+    torch.testing.assert_close(out, repeated, rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_range_capture_reads_are_zero():
+    """Loads outside a captured tensor read 0, in the kernel and in the reference alike."""
+    torch.manual_seed(16)
+    bias = torch.randn(20) + 3.0  # shorter than Lkv: kv_idx >= 20 reads 0
+
+    def short_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx - 5]  # and kv_idx < 5 reads index < 0
+    q, k, v = randn_qkv(1, 2, 2, 30, 40, 16)
+    out, _, _ = check(q, k, v, short_bias)
+    padded = torch.cat([torch.zeros(5), bias, torch.zeros(40)])[:40]
+    expect, _ = reference(q, k, v, lambda s, b, h, qi, ki: s + padded[ki])
+    assert rel_err(out, expect) < REL_TOL[torch.float32]

@@ -1,0 +1,164 @@
+"""Compiled (non-interpreted) kernels on a CUDA GPU: every example variant at realistic shapes in
+fp16 and bf16 (and fp32 at one shape) against the float64 reference computed on the GPU, and no
+recompilation when only sequence lengths change.
+
+Run on a GPU machine with ``python -m pytest -m gpu tests/test_gpu.py``. (In one process attncc
+runs CUDA tensors compiled and CPU tensors only through the interpreter, which must be chosen
+before triton is imported, so run the CPU tests separately there.) Everything here is skipped
+without CUDA; triton is imported inside the tests only, never at collection, so that collecting
+this file on a CPU machine cannot switch the interpreter off for the other tests.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import attncc
+from conftest import assert_close_to_reference
+from variants import BUILDERS, NAMES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# (B, Hq, Hkv, Lq, Lkv, D, Dv)
+SHAPES = {
+    "2x8x1000x128": (2, 8, 8, 1000, 1000, 128, 128),
+    "1x4x4096x64": (1, 4, 4, 4096, 4096, 64, 64),
+    "gqa8:2-2x8x1000x128": (2, 8, 2, 1000, 1000, 128, 128),
+    "D80-2x4x777": (2, 4, 4, 777, 777, 80, 80),
+    "D256-1x4x1024": (1, 4, 4, 1024, 1024, 256, 256),
+    "Lq300-Lkv1500-D64": (2, 4, 4, 300, 1500, 64, 64),
+    "Lq1500-Lkv300-D128-Dv64": (1, 6, 2, 1500, 300, 128, 64),
+}
+FP32_SHAPE = "Lq300-Lkv1500-D64"
+
+MAX_REFERENCE_ELEMENTS = 2 ** 26  # float64 scores per reference chunk (0.5 GiB)
+
+
+def _shift_heads(score_mod, mask_mod, h0: int):
+    """The mods as seen from a slice of heads starting at h0 (so captured per-head data lines up)."""
+    if h0 == 0:
+        return score_mod, mask_mod
+    sm = None if score_mod is None else (lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h + h0, q_idx, kv_idx))
+    mm = None if mask_mod is None else (lambda b, h, q_idx, kv_idx: mask_mod(b, h + h0, q_idx, kv_idx))
+    return sm, mm
+
+
+def reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=False):
+    """attncc.reference in float64 on the GPU, over slices of query heads small enough to fit."""
+    B, Hq, Lq, _ = q.shape
+    Hkv, Lkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    heads_per_chunk = max(group, (MAX_REFERENCE_ELEMENTS // max(1, B * Lq * Lkv)) // group * group)
+    outs, lses = [], []
+    for h0 in range(0, Hq, heads_per_chunk):
+        h1 = min(Hq, h0 + heads_per_chunk)
+        sm, mm = _shift_heads(score_mod, mask_mod, h0)
+        out, lse = attncc.reference.attention(
+            q[:, h0:h1].double(), k[:, h0 // group:h1 // group].double(), v[:, h0 // group:h1 // group].double(),
+            sm, mm, enable_gqa=group > 1, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+        del out, lse
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _cases():
+    cases = []
+    for name in NAMES:
+        for shape in SHAPES:
+            for dt in ("bf16", "fp16"):
+                cases.append(pytest.param(name, shape, dt, id=f"{name}-{shape}-{dt}"))
+        cases.append(pytest.param(name, FP32_SHAPE, "fp32", id=f"{name}-{FP32_SHAPE}-fp32"))
+    return cases
+
+
+@pytest.mark.parametrize("name,shape,dt", _cases())
+def test_variant_on_gpu_matches_reference(name, shape, dt):
+    B, Hq, Hkv, Lq, Lkv, D, Dv = SHAPES[shape]
+    dtype = DTYPES[dt]
+    torch.manual_seed(zlib.crc32(f"{name}-{shape}-{dt}".encode()))
+    score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cuda")
+    q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, Lkv, Dv, device="cuda", dtype=dtype)
+    out, lse = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv, return_lse=True)
+    assert out.is_cuda and lse.is_cuda
+    assert out.shape == (B, Hq, Lq, Dv) and lse.shape == (B, Hq, Lq)
+    ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    assert_close_to_reference(out, lse, ref, ref_lse, dtype)
+
+
+def test_blhd_layout_on_gpu():
+    """(B, L, H, D) tensors passed as transposed views; the output follows the query's layout."""
+    torch.manual_seed(1)
+    B, L, H, D = 2, 1000, 8, 128
+    score_mod, mask_mod = BUILDERS["alibi"](B, H, L, L, "cuda")
+    q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(3))
+    out, lse = attncc.attention(q, k, v, score_mod, mask_mod, return_lse=True)
+    assert out.transpose(1, 2).is_contiguous()
+    ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod)
+    assert_close_to_reference(out, lse, ref, ref_lse, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# No recompilation for new sequence lengths
+
+
+def _compiled_count(jit_fn):
+    """Compiled kernels in a triton JITFunction's cache, across Triton versions; None if unknown."""
+    caches = getattr(jit_fn, "device_caches", None)  # triton >= 3.0: device -> (kernel_cache, ...)
+    if caches is not None and hasattr(caches, "values"):
+        total = 0
+        for entry in caches.values():
+            kernel_cache = entry[0] if isinstance(entry, tuple) else entry
+            if not hasattr(kernel_cache, "__len__"):
+                return None
+            total += len(kernel_cache)
+        return total
+    cache = getattr(jit_fn, "cache", None)  # triton 2.x: device -> {key: kernel}
+    if isinstance(cache, dict):
+        return sum(len(v) if isinstance(v, dict) else 1 for v in cache.values())
+    return None
+
+
+def _fwd_modules(kernel):
+    return [m for (key, kind, _), (_, m) in attncc.api._loaded.items()
+            if key == kernel.variant.ir_key and kind == "fwd" and m is not None]
+
+
+# rel_bias bakes Lkv into its IR (bias[h, q_idx - kv_idx + Lkv]): each length is a new variant by design
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "rel_bias"])
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+def test_new_sequence_lengths_do_not_recompile(name, dt):
+    torch.manual_seed(2)
+    dtype = DTYPES[dt]
+    B, H, D = 2, 8, 128
+    kernel = None
+    counts = []
+    codegen = None
+    for L in (1000, 1500, 3000):
+        score_mod, mask_mod = BUILDERS[name](B, H, L, L, "cuda")
+        if kernel is None:
+            kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
+        else:  # same structure, new captured tensors: the same kernel, fed new arguments
+            again = attncc.Variant(score_mod, mask_mod)
+            assert again.ir_key == kernel.variant.ir_key
+            kernel = attncc.compile(again)
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
+        out, lse = kernel(q, k, v, return_lse=True)
+        ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod)
+        assert_close_to_reference(out, lse, ref, ref_lse, dtype)
+        if codegen is None:
+            codegen = attncc.cache.stats["codegen"]
+        modules = _fwd_modules(kernel)
+        assert len(modules) == 1, "one specialisation must mean one generated module"
+        counts.append(_compiled_count(modules[0].attn_fwd))
+    assert attncc.cache.stats["codegen"] == codegen, "a new sequence length generated new source"
+    if counts[0] is None:
+        pytest.skip("this triton's JITFunction exposes no kernel cache to count")
+    assert counts[0] >= 1
+    assert counts[-1] - counts[0] == 0, f"Triton recompiled for new lengths: compiled kernels per call {counts}"
