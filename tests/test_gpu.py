@@ -125,9 +125,12 @@ def _compiled_count(jit_fn):
     return None
 
 
-def _fwd_modules(kernel):
-    return [m for (key, kind, _), (_, m) in attncc.api._loaded.items()
-            if key == kernel.variant.ir_key and kind == "fwd" and m is not None]
+def _fwd_modules(kernel, dtype: str, head_dim: int):
+    """The loaded forward modules of the kernel's variant for one dtype and head dim (MHA)."""
+    return [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
+            if key == kernel.variant.ir_key and kind == "fwd" and m is not None
+            and spec.dtype == dtype and spec.head_dim == spec.head_dim_v == head_dim and spec.group == 1
+            and not getattr(spec, "dropout", False)]
 
 
 # rel_bias bakes Lkv into its IR (bias[h, q_idx - kv_idx + Lkv]): each length is a new variant by design
@@ -154,7 +157,7 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
         assert_close_to_reference(out, lse, ref, ref_lse, dtype)
         if codegen is None:
             codegen = attncc.cache.stats["codegen"]
-        modules = _fwd_modules(kernel)
+        modules = _fwd_modules(kernel, {"fp16": "float16", "bf16": "bfloat16"}[dt], D)
         assert len(modules) == 1, "one specialisation must mean one generated module"
         counts.append(_compiled_count(modules[0].attn_fwd))
     assert attncc.cache.stats["codegen"] == codegen, "a new sequence length generated new source"

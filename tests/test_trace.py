@@ -315,7 +315,26 @@ def test_float_function_of_int_expression(fn):
     check(q, k, v, decay)
 
 
-def test_tanh_of_int_expression():  # the one float function that works on ints (for contrast)
+_DOC_IDS = torch.randint(0, 4, (20,), generator=torch.Generator().manual_seed(5))
+_INT_TEMPORARIES = {
+    "int_capture_load": lambda s, b, h, q, kv: s + torch.sigmoid(_DOC_IDS[kv].float()),
+    "common_subexpression": lambda s, b, h, q, kv: s + torch.exp(-(q - kv).abs().float()) + (q - kv).abs() * 0.01,
+    "constant_argument": lambda s, b, h, q, kv: s + torch.exp((q - q - 3).float()),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the int -> float conversion of float functions (printer._fcall, "
+                   "93a3635) relies on sympy's is_integer, which named temporaries lose (a captured int load "
+                   "`doc0`, a CSE temporary `t0`): tl.sigmoid/tl.exp still get int32; and an integer constant "
+                   "argument prints as `(-3).to(tl.float32)`, an AttributeError on a Python int")
+@pytest.mark.parametrize("form", list(_INT_TEMPORARIES))
+def test_float_function_of_int_temporary(form):
+    torch.manual_seed(21)
+    q, k, v = randn_qkv(1, 2, 2, 20, 20, 16)
+    check(q, k, v, _INT_TEMPORARIES[form])
+
+
+def test_tanh_of_int_expression():
     torch.manual_seed(21)
     q, k, v = randn_qkv(1, 2, 2, 20, 20, 16)
     check(q, k, v, lambda s, b, h, qi, kv: s + torch.tanh((qi - kv).float() * 0.1))
