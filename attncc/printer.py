@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 from sympy.core.function import AppliedUndef
+from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.printing.str import StrPrinter
 
 from .passes import symbolic as S
@@ -33,6 +34,12 @@ class TritonPrinter(StrPrinter):
 
     def as_bool(self, text: str) -> str:
         return f"({text} != 0)" if self.interpreter else text
+
+    def _print(self, expr, **kwargs):
+        # a constant subexpression (exp(-3), log(2)/3, ...) becomes one float literal
+        if isinstance(expr, sp.Expr) and not expr.is_Atom and expr.is_number and expr.is_finite:
+            return repr(float(expr))
+        return super()._print(expr, **kwargs)
 
     def _print_Float(self, e):
         return repr(float(e))
@@ -67,13 +74,20 @@ class TritonPrinter(StrPrinter):
             return self._fcall("tl.sqrt", base)
         if ex == -sp.S.Half:
             return self._fcall("tl.rsqrt", base)
-        if ex.is_Integer and 0 < ex <= 4:
-            return "(" + " * ".join([self.parenthesize(base, 50)] * int(ex)) + ")"
-        if ex.is_Integer and -4 <= ex < 0:
-            return f"(1.0 / {self._print(base ** -ex)})"
+        if ex.is_number and float(ex).is_integer() and abs(float(ex)) <= 16:
+            n = abs(int(float(ex)))
+            power = "(" + " * ".join([self.parenthesize(base, 50)] * n) + ")" if n else "1"
+            return power if ex > 0 else f"(1.0 / {power})"
         if base == 2:
             return self._fcall("tl.exp2", ex)
-        return f"tl.exp2({self._print(ex)} * tl.log2({self._print(base)}))"
+        # general power of a positive base (torch gives NaN for a negative one too)
+        return f"tl.exp2({self._print(ex)} * {self._fcall('tl.log2', base)})"
+
+    def _print_intdiv(self, e):
+        return f"(({self._print(e.args[0])}) / ({self._print(e.args[1])}))"
+
+    def _print_floordiv(self, e):
+        return self._call("_floor_div", *e.args)
 
     def _print_exp(self, e):
         return self._fcall("tl.exp", e.args[0])
@@ -100,10 +114,7 @@ class TritonPrinter(StrPrinter):
         return f"({self._print(e.args[0])}).to(tl.int32)"
 
     def _print_floor(self, e):
-        num, den = sp.fraction(sp.together(e.args[0]))
-        if num.is_integer and den.is_integer:
-            return self._call("_floor_div", num, den)
-        return self._call("tl.floor", e.args[0])
+        return self._fcall("tl.floor", e.args[0])
 
     def _print_Mod(self, e):
         a, m = e.args
@@ -207,6 +218,21 @@ class ModCode:
         return label in self.outputs
 
 
+def typed_symbol(name: str, expr) -> sp.Symbol:
+    """A symbol standing for ``expr`` in generated code, with expr's kind (bool, int or real)."""
+    if isinstance(expr, sp.logic.boolalg.Boolean) and not isinstance(expr, sp.Expr):
+        return BoolSymbol(name)
+    return sp.Symbol(name, integer=True) if expr.is_integer else sp.Symbol(name, real=True)
+
+
+class BoolSymbol(sp.Symbol):
+    """A named boolean temporary: sympy logic (Piecewise conditions, And) accepts it."""
+    is_Boolean = True
+
+    def as_set(self):  # pragma: no cover - never asked for by the printer
+        raise NotImplementedError
+
+
 def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False) -> ModCode:
     """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
@@ -217,13 +243,21 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
     labels = [label for label, _ in outputs]
     outputs = [e for _, e in outputs]
     temps, reduced = sp.cse(outputs, symbols=sp.numbered_symbols("t"), order="none") if outputs else ([], [])
+    # cse's temporaries know nothing of their values; give each the type of what it stands for,
+    # so the printer still knows integer from float through them (floor division, casts).
+    typed = {}
+    for i, (sym, expr) in enumerate(temps):
+        expr = expr.xreplace(typed)
+        typed[sym] = typed_symbol(str(sym), expr)
+        temps[i] = (typed[sym], expr)
+    reduced = [r.xreplace(typed) for r in reduced]
     varying = set(loop_symbols) | {S.SCORE}
     hoisted, body = [], []
     counts = {}
 
     def name(prefix, expr, invariant):
         counts[prefix] = counts.get(prefix, -1) + 1
-        sym = sp.Symbol(f"{prefix}{counts[prefix]}")
+        sym = typed_symbol(f"{prefix}{counts[prefix]}", expr)
         (hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
         if not invariant:
             varying.add(sym)
@@ -238,7 +272,7 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
             e = e.func(*args)
         if isinstance(e, AppliedUndef) and e.func.__name__.startswith("cap"):
             return name(captures[int(e.func.__name__[3:])][2], e, invariant)
-        if invariant and not parent_invariant and sp.count_ops(e) > 1:
+        if invariant and not parent_invariant and sp.count_ops(e) > 1 and not isinstance(e, ExprCondPair):
             return name("inv", e, True)
         return e
 
@@ -246,6 +280,6 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
         invariant = not (expr.free_symbols & varying)
         expr = lift(expr, invariant)
         (hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
-        if not invariant:
-            varying.add(sp.Symbol(str(sym)))
+        if not invariant and isinstance(sym, sp.Symbol):
+            varying.add(sym)
     return ModCode(tuple(hoisted), tuple(body), tuple(labels))

@@ -202,7 +202,7 @@ class Proxy:
                 f"compile into a kernel. Supported: {', '.join(SUPPORTED)}")
         if key in ("to", "type_as"):
             return _wrap(builder(_node(args[0]), *args[1:], **kwargs))
-        conv = lambda v: _node(v) if v is not None else None
+        conv = lambda v: v if v is None or isinstance(v, str) else _node(v)
         try:
             return _wrap(builder(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()}))
         except TypeError as e:
@@ -285,10 +285,9 @@ def _check_arity(fn, n, kind):
 
 def trace(fn, kind: str) -> ir.Node:
     """The IR of a score_mod (kind='score_mod') or mask_mod (kind='mask_mod')."""
-    if isinstance(fn, ir.Node):
-        return fn
-    if isinstance(fn, Proxy):
-        return fn.node
+    if isinstance(fn, (ir.Node, Proxy)):
+        node = fn.node if isinstance(fn, Proxy) else fn
+        return _checked(node, kind)
     if not callable(fn):
         raise AttnccError(f"{kind} must be a function or an attncc.ir expression, got {type(fn).__name__}")
     leaves = [ir.b, ir.h, ir.q_idx, ir.kv_idx]
@@ -309,6 +308,11 @@ def trace(fn, kind: str) -> ir.Node:
     finally:
         _Tracing.mod = previous
         _captured_names.clear()
+    return _checked(node, kind)
+
+
+def _checked(node: ir.Node, kind: str) -> ir.Node:
+    """Type-check a mod's root; a score_mod's value is always float."""
     if kind == "score_mod":
         ir.verify(node, None)
         return ir.cast(node, ir.FLOAT)

@@ -75,8 +75,8 @@ class Variant:
     @cached_property
     def analysis(self) -> Analysis:
         index = {c: i for i, c in enumerate(self.captures)}
-        score = symbolic.to_sympy(self.score_ir, index)
-        mask = sp.true if self.mask_ir is None else symbolic.to_sympy(self.mask_ir, index)
+        score = symbolic.canonicalize(symbolic.to_sympy(self.score_ir, index))
+        mask = sp.true if self.mask_ir is None else symbolic.canonicalize(symbolic.to_sympy(self.mask_ir, index))
         caps = tuple((c.ndim, c.kind) for c in self.captures)
         key = f"score={symbolic.canonical(score)}|mask={symbolic.canonical(mask)}|caps={caps}"
         return Analysis(score, mask, facts_pass.derive(score, mask), caps, key)

@@ -314,30 +314,22 @@ def test_where_needs_a_bool_condition():
 # IR written directly goes through the same verifier
 
 
-_DIRECT_IR_BUG = ("BUG: a mod given as an attncc.ir expression skips ir.verify (trace() returns it as is): "
-                  "Variant(mask_mod=ir.q_idx - ir.kv_idx) is accepted and runs, using the int as a mask")
 
-
-@pytest.mark.xfail(strict=True, reason=_DIRECT_IR_BUG)
 def test_ir_mask_mod_returning_int_is_rejected():
     with pytest.raises(attncc.AttnccError, match="mask_mod must return a bool"):
         attncc.Variant(mask_mod=ir.q_idx - ir.kv_idx)
 
 
-@pytest.mark.xfail(strict=True, reason=_DIRECT_IR_BUG)
 def test_ir_score_mod_returning_bool_is_rejected():
     with pytest.raises(attncc.AttnccError, match="score_mod returned a bool"):
         attncc.Variant(score_mod=ir.q_idx >= ir.kv_idx)
 
 
-@pytest.mark.xfail(strict=True, reason=_DIRECT_IR_BUG)
 def test_ir_mask_mod_reading_the_score_is_rejected():
     with pytest.raises(attncc.AttnccError, match="mask_mod cannot read the score"):
         attncc.Variant(mask_mod=ir.score > 0)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an int-valued score_mod written as attncc.ir is not cast to float "
-                   "like the traced one, so the two get different ir_keys (and kernels)")
 def test_ir_int_score_mod_has_the_traced_key():
     written = attncc.Variant(ir.q_idx - ir.kv_idx)
     traced = attncc.Variant(lambda score, b, h, q_idx, kv_idx: q_idx - kv_idx)

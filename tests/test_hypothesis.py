@@ -12,12 +12,9 @@ sides of a threshold). Captured-tensor indices always contain an index leaf (a c
 would be Python indexing at trace time), and reads out of range give 0. Rows that a random mask
 leaves empty must give out = 0 and lse = -inf.
 
-Left out on purpose, because they hit known bugs that have strict-xfail tests in test_trace.py:
-float functions of int expressions other than a bare index leaf (their int -> float
-conversion is lost through temporaries), 1 / (sum), powers > 4, .long() of floats, // of
-sums with a loop-invariant term (here // only divides an index leaf plus a constant >= 0), and
-where() with a branch that does not vary along kv_idx (here the condition and the else-branch
-of an int where() read kv_idx, and both branches of a float where() read the score).
+Some forms are not generated here because they have their own regression tests in
+test_trace.py (float functions of int temporaries, 1 / (sum), high powers, .long() of
+quotients, // of sums, where() with a branch that does not vary along kv_idx).
 """
 from __future__ import annotations
 

@@ -48,6 +48,23 @@ class trunc(sp.Function):
     is_integer = True
 
 
+class floordiv(sp.Function):
+    """Integer a // b rounding toward -inf, kept whole: sympy's floor(a/b) would be split into
+    float terms (floor(kv/3 - q/3)) that round differently in float32."""
+    is_integer = True
+
+
+class intdiv(sp.Function):
+    """True division of two integers, kept whole so (q - kv) / 3 is not distributed into
+    q/3 - kv/3 (exact multiples must stay exact before a trunc or floor)."""
+    is_real = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer and b != 0:
+            return sp.Rational(a, b)
+
+
 class _Bitwise(sp.Function):
     is_integer = True
 
@@ -82,7 +99,7 @@ _LOGIC = {"and": (sp.And, bit_and), "or": (sp.Or, bit_or), "xor": (sp.Xor, bit_x
 def to_sympy(root: ir.Node, capture_index: dict) -> sp.Basic:
     """The sympy form of an IR expression; ``capture_index`` maps each Capture to its number."""
     memo = {}
-    for n in ir.walk(root):
+    for n in ir.walk(root):  # children first
         a = [memo[x] for x in n.args]
         # the arguments as numbers: a bool used in arithmetic counts 1 or 0
         num = [sp.Piecewise((1, e), (0, True)) if x.type == ir.BOOL else e for x, e in zip(n.args, a)]
@@ -125,12 +142,26 @@ def to_sympy(root: ir.Node, capture_index: dict) -> sp.Basic:
             e = _UNARY[n.op](num[0])
         elif n.op in ("eq", "ne") and n.args[0].type == n.args[1].type == ir.BOOL:
             e = sp.Not(sp.Xor(*a)) if n.op == "eq" else sp.Xor(*a)
+        elif n.op == "floordiv" and n.type == ir.INT:
+            e = floordiv(*num)
+        elif n.op == "truediv" and n.args[0].type != ir.FLOAT and n.args[1].type != ir.FLOAT:
+            e = intdiv(*num)
         elif n.op in _BINARY:
             e = _BINARY[n.op](*num)
         else:  # pragma: no cover - the IR constructors admit no other op
             raise AttnccError(f"internal: no sympy rule for IR op {n.op!r}")
         memo[n] = e
     return memo[root]
+
+
+def canonicalize(expr: sp.Basic) -> sp.Basic:
+    """One spelling per comparison: kv_idx <= q_idx becomes q_idx >= kv_idx."""
+    def one(rel):
+        c = rel.canonical  # sympy's order puts the smaller side left: kv_idx <= q_idx
+        if isinstance(c, (sp.LessThan, sp.StrictLessThan)):  # read as written most often: q_idx >= kv_idx
+            return (sp.Ge if isinstance(c, sp.LessThan) else sp.Gt)(c.rhs, c.lhs)
+        return c
+    return expr.replace(lambda e: e.is_Relational, one)
 
 
 def canonical(expr: sp.Basic) -> str:
