@@ -54,19 +54,16 @@ class CompiledAttention:
             if self.variant.captures[i].kind != ir.FLOAT:
                 raise AttnccError(f"captured tensor cap{i} ({self.variant.captures[i]!r}) requires grad but is "
                                   "not a float tensor; integer and bool captures are never differentiated")
-        if deterministic and learnable:
-            raise NotImplementedError(
-                "deterministic=True with learnable captured tensors is not supported yet: their gradients "
-                "are accumulated with float32 atomics. dq, dk and dv are deterministic in every mode.")
         atomic = config.atomic_dq() and not deterministic
-        return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic)
+        return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
+                                   deterministic=bool(deterministic and learnable))
 
     def _path_and_module(self, kernel: str, spec: plan.Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)
         hit = _loaded.get(k)
         if hit is None or (load and hit[1] is None):
             v = self.variant
-            path = cache.source_path(kernel, v.analysis.key, spec, v.name)
+            path = cache.source_path(kernel, v.analysis.key, spec)
             path = cache.get_or_create(path, lambda: codegen.render(
                 plan.build(kernel, v.analysis, spec, v.name, v.captures)))
             module = runtime.load(path, spec.target == "interpreter") if load else None

@@ -48,7 +48,7 @@ class AttentionFunction(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv, dcaps = runtime.backward(module, q, k, v, out, lse, dout, dlse, captures, learnable,
-                                             launch.scale, launch.interpret, launch.rng)
+                                             launch.scale, launch.interpret, launch.rng, spec.deterministic)
         grads = [None] * len(captures)
         for i, g in zip(learnable, dcaps):
             grads[i] = g.to(captures[i].dtype)

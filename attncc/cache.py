@@ -44,9 +44,9 @@ def key(kernel: str, variant_key: str, spec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def source_path(kernel: str, variant_key: str, spec, name: str) -> Path:
-    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)[:40]
-    return folder() / f"{kernel}_{safe}_{key(kernel, variant_key, spec)}.py"
+def source_path(kernel: str, variant_key: str, spec) -> Path:
+    """Named by content only: variants that differ just in name share one file."""
+    return folder() / f"{kernel}_{key(kernel, variant_key, spec)}.py"
 
 
 def get_or_create(path: Path, generate) -> Path:

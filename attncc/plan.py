@@ -20,6 +20,7 @@ class Spec:
     dropout: bool = False    # dropout_p > 0 in training: the RNG is compiled in (else compiled out)
     learnable: tuple = ()    # bwd: numbers of the float captures that need a gradient
     atomic_dq: bool = False  # bwd: dq by atomics (measured alternative to the dq kernel)
+    deterministic: bool = False  # bwd: capture gradients in order-independent fixed point
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class KernelPlan:
     grads: tuple = ()     # CapGrad per learnable load site (bwd)
     atomic_dq: bool = False  # bwd: dq by atomic adds from the dK/dV kernel instead of its own kernel
     dropout: bool = False     # the Philox dropout mask is compiled in
+    deterministic: bool = False  # capture gradients accumulate as int64 fixed point (bitwise reproducible)
 
     @property
     def runtime_ints(self):
@@ -186,4 +188,4 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
         tiles={fn: choose_tiles(fn, spec) for fn in fns}, mods=mods, grads=grads,
-        atomic_dq=spec.atomic_dq, dropout=spec.dropout)
+        atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic)

@@ -96,12 +96,17 @@ def _interp_captures(captures):
     return [c.float() if c.dtype == torch.bfloat16 else c for c in captures]
 
 
-def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, interpret: bool, rng=()):
+FIXED_POINT = 2.0 ** 32  # deterministic capture gradients: int64 in steps of 2**-32
+
+
+def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, interpret: bool, rng=(),
+             deterministic=False):
     """dq, dk, dv and float32 gradients of the learnable captures from a generated bwd module."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dlse is not None:
         dlse = dlse.contiguous()  # read as (B, H, Lq) rows; lse.sum() hands back an expanded view
-    dcaps = [torch.zeros(captures[i].shape, dtype=torch.float32, device=q.device) for i in learnable]
+    acc = torch.int64 if deterministic else torch.float32
+    dcaps = [torch.zeros(captures[i].shape, dtype=acc, device=q.device) for i in learnable]
     if dq.numel() == 0 and dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dcaps
     if interpret:
@@ -111,9 +116,13 @@ def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, 
             f = [t.float() for t in (q, k, v, out, dout)]
             g = [torch.empty_like(t) for t in f[:3]]
             module.launch(*f[:4], lse, f[4], dlse, *g, captures, dcaps, scale, *rng)
-            return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), dcaps
+            return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), _float_grads(dcaps)
     module.launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale, *rng)
-    return dq, dk, dv, dcaps
+    return dq, dk, dv, _float_grads(dcaps)
+
+
+def _float_grads(dcaps):
+    return [d if d.is_floating_point() else (d.double() / FIXED_POINT).float() for d in dcaps]
 
 
 def draw_rng(generator=None) -> tuple[int, int]:

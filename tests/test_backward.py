@@ -125,12 +125,23 @@ def test_deterministic_mode_bitwise():
         assert torch.equal(a, b)
 
 
-def test_deterministic_with_learnable_capture_is_refused():
+def test_deterministic_learnable_captures_bitwise_and_accurate():
+    """Capture gradients in deterministic mode: int64 fixed point, so two runs agree bit for bit."""
+    L = 50
     slopes = torch.rand(2, requires_grad=True)
-    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
-    out = attncc.attention(q, k, v, lambda s, b, h, qi, ki: s + slopes[h], deterministic=True)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        out.sum().backward()
+    table = (0.5 * torch.randn(2, 2 * L + 1)).requires_grad_()
+    mod = lambda s, b, h, q, k: s + slopes[h] * (k - q) * 0.1 + table[h, q - k + L]
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, L, 16, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, L, 16)
+    runs = [torch.autograd.grad(attncc.attention(q, k, v, mod, causal, deterministic=True), (q, k, v, slopes, table), do)
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    want = torch.autograd.grad(attncc.attention(q, k, v, mod, causal), (slopes, table), do)
+    for a, b in zip(runs[0][3:], want):
+        assert (a - b).abs().max().item() < 1e-6
+
 
 
 def test_integer_captures_get_no_gradient():

@@ -68,8 +68,11 @@ def test_dropout_gpu_matches_mask(dtype):
 def test_deterministic_gpu():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(8, device="cuda", requires_grad=True)
+    table = (0.1 * torch.randn(8, 2001, device="cuda")).requires_grad_()
+    mod = lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi) * 0.01 + table[h, qi - ki + 1000]
     do = torch.randn_like(q)
-    runs = [torch.autograd.grad(attncc.attention(q, k, v, mask_mod=causal, deterministic=True), (q, k, v), do)
+    runs = [torch.autograd.grad(attncc.attention(q, k, v, mod, causal, deterministic=True), (q, k, v, slopes, table), do)
             for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
