@@ -3,10 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sympy as sp
+
 from . import __version__, printer
+from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import KV, Q, SCORE
 from .variant import Analysis
+
+# the outer tile's first and last index, as the kernels name them
+Q_LO, Q_HI, KV_LO, KV_HI = sp.symbols("q_lo q_hi kv_lo kv_hi", integer=True)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,29 @@ class CapGrad:
 
 
 @dataclass(frozen=True)
+class TileRange:
+    """Triton text of the mask-derived inner-index bounds of one outer tile (None: unbounded)."""
+    reach_first: str | None
+    reach_end: str | None     # one past the last index some row attends
+    full_first: str | None
+    full_end: str | None
+    full_empty: bool          # no tile is known to be fully unmasked
+    reach_text: str           # the intervals as math, for a comment
+    full_text: str
+
+
+def _tile_range(mask, outer, inner, lo, hi, printer_) -> TileRange:
+    tb = bounds_pass.derive(mask, outer, inner, lo, hi)
+    big = {sp.oo: sp.Integer(2**30), -sp.oo: sp.Integer(-2**30)}  # +-oo inside expressions, as int32
+    text = lambda e: None if e in (sp.oo, -sp.oo) else printer_.doprint(e.xreplace(big))
+    end = lambda e: None if e == sp.oo else printer_.doprint((e + 1).xreplace(big))
+    empty = tb.full.first == sp.oo or tb.full.last == -sp.oo
+    return TileRange(text(tb.reach.first), end(tb.reach.last), None if empty else text(tb.full.first),
+                     None if empty else end(tb.full.last), empty,
+                     f"{tb.reach.first}, {tb.reach.last}", f"{tb.full.first}, {tb.full.last}")
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     kernel: str           # "fwd" or "bwd": which template
     name: str
@@ -93,6 +122,7 @@ class KernelPlan:
     captures: tuple       # CaptureArg per captured tensor
     tiles: dict           # kernel function name -> Tiles
     mods: dict            # kernel function name -> printer.ModCode
+    bounds: dict          # kernel function name -> TileRange of its inner loop
     grads: tuple = ()     # CapGrad per learnable load site (bwd)
     atomic_dq: bool = False  # bwd: dq by atomic adds from the dK/dV kernel instead of its own kernel
     dropout: bool = False     # the Philox dropout mask is compiled in
@@ -176,6 +206,11 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
         fns = {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
     mods = {fn: printer.emit(outputs, cap_info, loop, interp) for fn, loop in fns.items() if loop}
+    tp = printer.TritonPrinter(cap_info, interp)
+    mask = analysis.mask
+    ranges = {"attn_fwd": (Q, KV, Q_LO, Q_HI), "attn_bwd_dq": (Q, KV, Q_LO, Q_HI),
+              "attn_bwd_dkdv": (KV, Q, KV_LO, KV_HI)}
+    tile_bounds = {fn: _tile_range(mask, *ranges[fn], tp) for fn in fns if fn in ranges}
     caps = tuple(
         CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
         for i, (nd, kind) in enumerate(analysis.captures))
@@ -187,5 +222,5 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
         score_text=str(analysis.score), mask_text=str(analysis.mask),
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
-        tiles={fn: choose_tiles(fn, spec) for fn in fns}, mods=mods, grads=grads,
+        tiles={fn: choose_tiles(fn, spec) for fn in fns}, mods=mods, bounds=tile_bounds, grads=grads,
         atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic)

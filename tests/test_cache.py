@@ -174,7 +174,7 @@ def test_edited_cached_source_is_what_runs(tmp_path):
     src = path.read_text()
     line = "s = score_mod * 1.4426950408889634"
     assert line in src, src
-    path.write_text(src.replace(line, line.replace("score_mod", "(score_mod * 0.0)"), 1))
+    path.write_text(src.replace(line, line.replace("score_mod", "(score_mod * 0.0)")))
     edited = _run_subprocess(str(tmp_path))
     assert edited["codegen"] == 0
     assert edited["err"] > 1e-2  # uniform causal weights now, far from the reference

@@ -53,6 +53,11 @@ class floordiv(sp.Function):
     float terms (floor(kv/3 - q/3)) that round differently in float32."""
     is_integer = True
 
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer and b != 0:
+            return sp.Integer(int(a) // int(b))
+
 
 class intdiv(sp.Function):
     """True division of two integers, kept whole so (q - kv) / 3 is not distributed into

@@ -1,0 +1,440 @@
+"""attncc against compiled FlexAttention and SDPA (flash, cuDNN) on one GPU: bf16, forward and
+forward+backward, ten variants, plus first-call latency in fresh processes.
+
+    python benchmarks/bench.py [--quick] [--only VARIANT,...] [--shapes BxHxNxD,...]
+                               [--warmup MS] [--rep MS] [--latency all|none|VARIANT,...]
+                               [--latency-shape BxHxNxD] [--out DIR]
+
+What is measured and how TFLOP/s are counted: benchmarks/README.md. The internal
+``--latency-child SYSTEM VARIANT`` runs one first call and prints it as a JSON line.
+"""
+import time
+
+_T0 = time.perf_counter()  # process start, before torch is imported (latency children report it)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import NAMES, density, make_cases  # noqa: E402
+
+SHAPES = ((16, 16, 1024, 128), (4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64))
+QUICK_SHAPES = ((4, 16, 4096, 128),)
+LATENCY_SHAPE = (4, 16, 4096, 128)
+QUICK_LATENCY = ("causal",)
+SYSTEMS = ("attncc", "flex", "sdpa-flash", "sdpa-cudnn")
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+TOL = 2e-2  # relative error of attncc's output and gradients against the reference system (bf16)
+DEVICE, DTYPE = "cuda", torch.bfloat16
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# ---------------------------------------------------------------- the systems
+
+def attncc_fn(case, training=True):
+    """fn(q, k, v) through one compiled attncc kernel (tracing happens here, not in the timed loop)."""
+    import attncc
+    kernel = attncc.compile(attncc.Variant(case.score_mod, case.mask_mod, dropout_p=case.dropout_p))
+    return lambda q, k, v: kernel(q, k, v, enable_gqa=case.gqa > 1, training=training)
+
+
+def compile_flex():
+    """A fresh torch.compile(flex_attention): dynamo is reset first, or its recompile limit
+    silently falls back to an unfused path and the numbers collapse (anchors README)."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_fn(case, N):
+    from torch.nn.attention.flex_attention import create_block_mask
+    flex = compile_flex()
+    mask = create_block_mask(case.mask_mod, None, None, N, N, device=DEVICE) if case.mask_mod else None
+    return lambda q, k, v: flex(q, k, v, score_mod=case.score_mod, block_mask=mask, enable_gqa=case.gqa > 1)
+
+
+def sdpa_fn(case, training=True):
+    kwargs = dict(case.sdpa, dropout_p=case.sdpa.get("dropout_p", 0.0) if training else 0.0)
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def build(system, case, N, training=True):
+    """fn(q, k, v) of one system for one case; None where the system cannot express it."""
+    if system == "attncc":
+        return attncc_fn(case, training)
+    if system == "flex":
+        return flex_fn(case, N) if case.flex else None
+    return sdpa_fn(case, training) if system in case.sdpa_backends else None
+
+
+def backend(system):
+    """The SDPA backend context of a system (entered around its calls, not inside the timed fn)."""
+    if system not in SDPA_BACKENDS:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[system]))
+
+
+def not_available(system, case):
+    if system == "flex":
+        return "n/a: FlexAttention has no dropout"
+    if case.sdpa is not None:
+        return f"n/a: compared with {', '.join(case.sdpa_backends)} only"
+    return "n/a: SDPA cannot express it natively"
+
+
+# ---------------------------------------------------------------- timing and checks
+
+def bench_ms(fn, warmup, rep, grad_to_none=None):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep):
+    """Median ms of the forward alone and of forward + out.backward(grad_out), grads cleared
+    before every call (outside the timed region)."""
+    def step():
+        fn(q, k, v).backward(grad_out)
+    step()  # compile, load, autotune: never timed
+    fwd_ms = bench_ms(lambda: fn(q, k, v), warmup, rep)
+    fwdbwd_ms = bench_ms(step, warmup, rep, grad_to_none=leaves)
+    for t in leaves:
+        t.grad = None
+    return fwd_ms, fwdbwd_ms
+
+
+def rel_err(a, b) -> float:
+    e = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+    return e if math.isfinite(e) else float("inf")
+
+
+def check(fn, ref, ref_system, q, k, v, leaves, grad_out) -> dict:
+    """Relative errors of fn's output and gradients (q, k, v, learnable captures) against ref's."""
+    results = []
+    for f, system in ((fn, "attncc"), (ref, ref_system)):
+        with backend(system):
+            out = f(q, k, v)
+            results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    names = ["out", "dq", "dk", "dv"] + [f"dcap{i}" for i in range(len(leaves) - 3)]
+    return {n: rel_err(a, b) for n, a, b in zip(names, *results)}
+
+
+def flops(B, H, N, D, dens):
+    """Forward FLOPs of the unmasked entries: two N x N x D matmuls, 2 FLOPs per multiply-add."""
+    return 4 * B * H * N * N * D * dens
+
+
+def timing_row(system, base, fwd_ms=None, fwdbwd_ms=None, note=None, **extra):
+    f = flops(base["B"], base["H"], base["N"], base["D"], base["density"])
+    bwd_ms = fwdbwd_ms - fwd_ms if fwd_ms is not None and fwdbwd_ms is not None else None
+    return dict(kind="timing", system=system, **base, fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwdbwd_ms=fwdbwd_ms,
+                fwd_tflops=f / fwd_ms / 1e9 if fwd_ms else None,
+                bwd_tflops=2.5 * f / bwd_ms / 1e9 if bwd_ms and bwd_ms > 0 else None,
+                fwdbwd_tflops=3.5 * f / fwdbwd_ms / 1e9 if fwdbwd_ms else None, note=note, **extra)
+
+
+def bench_case(case, shape, warmup, rep):
+    """Rows of every system for one variant at one shape: check attncc, then time each system."""
+    B, H, N, D = shape
+    Hkv = H // case.gqa
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    rand = lambda h: torch.randn(B, h, N, D, generator=g, device=DEVICE, dtype=DTYPE)  # noqa: E731
+    q, k, v = (rand(h).requires_grad_() for h in (H, Hkv, Hkv))
+    grad_out = rand(H)
+    leaves = [q, k, v, *case.learnable]
+    base = dict(variant=case.name, B=B, H=H, Hkv=Hkv, N=N, D=D, density=density(case.mask_mod, N, DEVICE))
+    fns = {}
+    for system in SYSTEMS:
+        try:
+            fns[system] = build(system, case, N)
+        except Exception as e:  # a system that fails to build gets a note row, the others still run
+            fns[system] = e
+    extra = dict(check_ref=None, check_errors={"error": "no reference system ran"}, check_ok=None)
+    for ref_system in (s for s in ("sdpa-flash", "flex") if callable(fns.get(s))):
+        try:  # dropout: both sides with dropout off (the masks of two systems never agree)
+            pair = [build(s, case, N, training=False) for s in ("attncc", ref_system)] if case.dropout_p else \
+                [fns["attncc"], fns[ref_system]]
+            errs = check(*pair, ref_system, q, k, v, leaves, grad_out)
+        except Exception as e:
+            extra["check_errors"] = {"error": f"{ref_system}: {type(e).__name__}: {str(e)[:200]}"}
+            continue
+        extra = dict(check_ref=ref_system + (" (dropout off)" if case.dropout_p else ""), check_errors=errs,
+                     check_ok=all(e < TOL for e in errs.values()))
+        break
+    rows = []
+    for system in SYSTEMS:
+        fn, note = fns[system], None
+        if fn is None:
+            rows.append(timing_row(system, base, note=not_available(system, case)))
+            continue
+        if system == "attncc" and extra["check_ok"] is not True:
+            note = (f"CHECK FAILED vs {extra['check_ref']}: " if extra["check_ok"] is False else "unchecked: ") + \
+                ", ".join(f"{n} {e:.1e}" if isinstance(e, float) else str(e) for n, e in extra["check_errors"].items())
+            print(f"WARNING attncc {case.name} {fmt_shape(shape)}: {note}", flush=True)
+        try:
+            if isinstance(fn, Exception):
+                raise fn
+            with backend(system):
+                fwd_ms, fwdbwd_ms = time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep)
+            row = timing_row(system, base, fwd_ms, fwdbwd_ms, note, **(extra if system == "attncc" else {}))
+        except Exception as e:
+            row = timing_row(system, base, note=f"error: {type(e).__name__}: {str(e)[:200]}")
+        rows.append(row)
+        print(progress_line(row), flush=True)
+    return rows
+
+
+def add_speedups(rows):
+    """attncc rows get flex_ms / attncc_ms and best-SDPA_ms / attncc_ms (fwd, bwd, fwd+bwd)."""
+    key = lambda r: (r["variant"], r["B"], r["H"], r["N"], r["D"])  # noqa: E731
+    for a in (r for r in rows if r["system"] == "attncc"):
+        same = [r for r in rows if key(r) == key(a)]
+        for part in ("fwd", "bwd", "fwdbwd"):
+            ms = f"{part}_ms"
+            if a[ms] is None:
+                continue
+            flex = next((r[ms] for r in same if r["system"] == "flex" and r[ms] is not None), None)
+            a[f"speedup_vs_flex_{part}"] = flex / a[ms] if flex else None
+            sdpa = [r for r in same if r["system"].startswith("sdpa") and r[ms] is not None]
+            best = min(sdpa, key=lambda r: r[ms], default=None)
+            a[f"speedup_vs_sdpa_{part}"] = best[ms] / a[ms] if best else None
+            a[f"sdpa_best_{part}"] = best["system"] if best else None
+
+
+# ---------------------------------------------------------------- first-call latency
+
+def latency_child(system, name, shape):
+    """In a fresh process: trace/compile + first forward of one variant, printed as a JSON line."""
+    B, H, N, D = shape
+    case = make_cases(H, N, DEVICE)[name]
+    q, k, v = (torch.randn(B, h, N, D, device=DEVICE, dtype=DTYPE) for h in (H, H // case.gqa, H // case.gqa))
+    if system == "attncc":
+        import attncc  # noqa: F401  (imports are not part of the first call)
+    else:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn = build(system, case, N)
+        fn(q, k, v)
+        torch.cuda.synchronize()
+    print(json.dumps(dict(system=system, variant=name, first_call_s=time.perf_counter() - t0, setup_s=t0 - _T0)))
+
+
+def run_child(system, name, shape, env):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--latency-child", system, name,
+           "--latency-shape", fmt_shape(shape)]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return dict(error="timeout after 600 s")
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        return dict(error=(p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:200])
+    return dict(json.loads(lines[-1]), process_s=time.perf_counter() - t0)
+
+
+def measure_latency(names, shape):
+    """Per variant and system: a cold child (empty cache dirs), then a warm one (same dirs, filled)."""
+    B, H, N, D = shape
+    rows = []
+    for name in names:
+        for system in ("attncc", "flex"):
+            row = dict(kind="first_call", system=system, variant=name, B=B, H=H, N=N, D=D)
+            if system == "flex" and not make_cases(H, N, "cpu")[name].flex:
+                rows.append(dict(row, note="n/a: FlexAttention has no dropout"))
+                continue
+            with tempfile.TemporaryDirectory(prefix=f"bench-{system}-") as tmp:
+                env = dict(os.environ, ATTNCC_CACHE_DIR=f"{tmp}/attncc", TRITON_CACHE_DIR=f"{tmp}/triton",
+                           TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor")
+                cold = run_child(system, name, shape, env)
+                warm = run_child(system, name, shape, env)
+            row.update(cold_s=cold.get("first_call_s"), warm_s=warm.get("first_call_s"),
+                       cold_process_s=cold.get("process_s"), warm_process_s=warm.get("process_s"),
+                       setup_s=cold.get("setup_s"), note=cold.get("error") or warm.get("error"))
+            rows.append(row)
+            print(f"first call {system:7s} {name:22s} cold {fmt(row['cold_s'], '.2f')} s  "
+                  f"warm {fmt(row['warm_s'], '.2f')} s  {row['note'] or ''}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- output
+
+def fmt(x, spec):
+    return "n/a" if x is None else format(x, spec)
+
+
+def fmt_shape(s):
+    return "x".join(map(str, s))
+
+
+def row_shape(r):
+    return f"{r['B']}×{r['H']}×{r['N']}×{r['D']}"
+
+
+def progress_line(r):
+    errs = r.get("check_errors") or {}
+    worst = max((e for e in errs.values() if isinstance(e, float)), default=None)
+    checked = f"check vs {r['check_ref']}: max rel err {worst:.1e}  " if r.get("check_ok") else ""
+    return (f"{r['system']:10s} {r['variant']:22s} {row_shape(r):16s} fwd {fmt(r['fwd_ms'], '.3f')} ms "
+            f"({fmt(r['fwd_tflops'], '.0f')} TFLOP/s)  bwd {fmt(r['bwd_ms'], '.3f')} ms "
+            f"({fmt(r['bwd_tflops'], '.0f')} TFLOP/s)  {checked}{r['note'] or ''}")
+
+
+def ratio_cell(r, vs):
+    cells = [r.get(f"speedup_vs_{vs}_{p}") for p in ("fwd", "bwd")]
+    return "" if all(c is None for c in cells) else " · ".join(fmt(c, ".2f") + "×" for c in cells)
+
+
+def timing_table(rows):
+    lines = ["| variant | B×H×N×D | system | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | attncc/flex fwd · bwd "
+             "| attncc/best SDPA fwd · bwd | note |", "|---|---|---|--:|--:|--:|--:|--:|--:|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {row_shape(r)} | {r['system']} | {fmt(r['fwd_ms'], '.3f')} | "
+                     f"{fmt(r['bwd_ms'], '.3f')} | {fmt(r['fwd_tflops'], '.0f')} | {fmt(r['bwd_tflops'], '.0f')} | "
+                     f"{ratio_cell(r, 'flex')} | {ratio_cell(r, 'sdpa')} | {r['note'] or ''} |")
+    return "\n".join(lines)
+
+
+def latency_table(rows):
+    by = {(r["variant"], r["system"]): r for r in rows}
+    lines = ["| variant | B×H×N×D | attncc cold s | attncc warm s | flex cold s | flex warm s | note |",
+             "|---|---|--:|--:|--:|--:|---|"]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        a, f = by[(name, "attncc")], by[(name, "flex")]
+        note = "; ".join(f"{s}: {r['note']}" for s, r in (("attncc", a), ("flex", f)) if r.get("note"))
+        lines.append(f"| {name} | {row_shape(a)} | {fmt(a.get('cold_s'), '.2f')} | {fmt(a.get('warm_s'), '.2f')} | "
+                     f"{fmt(f.get('cold_s'), '.2f')} | {fmt(f.get('warm_s'), '.2f')} | {note} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    """Grouped bars, one panel per shape: attncc's fwd and fwd+bwd speedup over FlexAttention."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no chart ({path.name} not written)")
+        return
+    att = [r for r in rows if r["kind"] == "timing" and r["system"] == "attncc" and r.get("speedup_vs_flex_fwd")]
+    shapes = list(dict.fromkeys(row_shape(r) for r in att))
+    if not shapes:
+        return
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(11, 3.2 * len(shapes)), squeeze=False)
+    for ax, shape in zip(axes[:, 0], shapes):
+        rs = [r for r in att if row_shape(r) == shape]
+        x = range(len(rs))
+        for dx, part, label in ((-0.2, "fwd", "fwd"), (0.2, "fwdbwd", "fwd+bwd")):
+            ax.bar([i + dx for i in x], [r.get(f"speedup_vs_flex_{part}") or float("nan") for r in rs], 0.4,
+                   label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}×"))
+        ax.set_xticks(list(x), [r["variant"] for r in rs], rotation=20, ha="right", fontsize=8)
+        ax.set_title(f"B×H×N×D = {shape}", fontsize=10)
+        ax.set_ylabel("attncc speedup over flex")
+    axes[0, 0].legend()
+    fig.suptitle(f"attncc vs torch.compile(flex_attention), {rows[0]['dtype']}, {rows[0]['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def gpu_name():
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def environment(args):
+    import attncc
+    import triton
+    return dict(gpu=gpu_name(), torch=torch.__version__, triton=triton.__version__, attncc=attncc.__version__,
+                cuda=torch.version.cuda, dtype=str(DTYPE).removeprefix("torch."), warmup_ms=args.warmup,
+                rep_ms=args.rep, date=time.strftime("%Y-%m-%d"))
+
+
+def save(rows, env, path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([dict(r, **env) for r in rows], indent=1) + "\n")
+
+
+def parse_args(argv=None):
+    shapes = lambda s: [tuple(int(x) for x in item.split("x")) for item in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one shape (4x16x4096x128); first-call latency of causal only")
+    p.add_argument("--only", help=f"comma-separated variants among: {', '.join(NAMES)}")
+    p.add_argument("--shapes", type=shapes, help="comma-separated BxHxNxD, e.g. 4x16x4096x128,4x32x4096x64")
+    p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms (default 25)")
+    p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (default 100)")
+    p.add_argument("--latency", help="first-call latency for: all | none | VARIANT,... (default all; --quick: causal)")
+    p.add_argument("--latency-shape", type=lambda s: shapes(s)[0], default=LATENCY_SHAPE)
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for <gpu>.json and <gpu>.png")
+    p.add_argument("--latency-child", nargs=2, metavar=("SYSTEM", "VARIANT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.names = args.only.split(",") if args.only else list(NAMES)
+    lat = args.latency or (",".join(QUICK_LATENCY) if args.quick else "all")
+    args.latency_names = [] if lat == "none" else [n for n in (NAMES if lat == "all" else lat.split(","))
+                                                   if args.only is None or n in args.names]
+    bad = [n for n in args.names + args.latency_names if n not in NAMES]
+    if bad:
+        p.error(f"unknown variant(s) {', '.join(bad)}; choose among {', '.join(NAMES)}")
+    args.partial = bool(args.quick or args.only or args.shapes)
+    args.shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.latency_child:
+        return latency_child(*args.latency_child, args.latency_shape)
+    import attncc  # noqa: F401  (before triton: on a CPU-only machine attncc switches the interpreter on)
+    import torch._dynamo
+    torch.manual_seed(0)
+    for knob in ("recompile_limit", "cache_size_limit"):  # as the anchors; each variant is compiled fresh anyway
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 1000)
+    env = environment(args)
+    print(" ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    stem = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-") + ("-partial" if args.partial else "")
+    json_path, t_start, rows = args.out / f"{stem}.json", time.perf_counter(), []
+    for shape in args.shapes:
+        t = time.perf_counter()
+        cases = make_cases(shape[1], shape[2], DEVICE)
+        for name in args.names:
+            if shape[1] % cases[name].gqa:
+                continue
+            rows += bench_case(cases[name], shape, args.warmup, args.rep)
+            add_speedups(rows)
+            save(rows, env, json_path)
+        print(f"-- {fmt_shape(shape)} done in {time.perf_counter() - t:.0f} s", flush=True)
+    t = time.perf_counter()
+    latency = measure_latency(args.latency_names, args.latency_shape) if args.latency_names else []
+    print(f"-- first-call latency done in {time.perf_counter() - t:.0f} s", flush=True)
+    save(rows + latency, env, json_path)
+    print(f"wrote {json_path}")
+    plot([dict(r, **env) for r in rows], json_path.with_suffix(".png"))
+    if latency:
+        print(f"\nFirst call (trace/compile + first forward, {fmt_shape(args.latency_shape)}, fresh process; "
+              "cold: empty cache dirs, warm: the same dirs filled by the cold run)\n")
+        print(latency_table(latency))
+    print(f"\nattncc vs FlexAttention vs SDPA, {env['gpu']}, {env['dtype']}, median of do_bench "
+          f"(ratios: other ms / attncc ms, > 1 means attncc is faster); total {time.perf_counter() - t_start:.0f} s\n")
+    print(timing_table(rows))
+
+
+if __name__ == "__main__":
+    main()
