@@ -14,6 +14,7 @@ _T0 = time.perf_counter()  # process start, before torch is imported (latency ch
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -27,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import add_speedups, fmt, fmt_shape, latency_table, plot, progress_line, save, timing_table  # noqa
 from variants import NAMES, density, make_cases  # noqa: E402
 
 SHAPES = ((16, 16, 1024, 128), (4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64))
@@ -196,23 +198,6 @@ def bench_case(case, shape, warmup, rep):
     return rows
 
 
-def add_speedups(rows):
-    """attncc rows get flex_ms / attncc_ms and best-SDPA_ms / attncc_ms (fwd, bwd, fwd+bwd)."""
-    key = lambda r: (r["variant"], r["B"], r["H"], r["N"], r["D"])  # noqa: E731
-    for a in (r for r in rows if r["system"] == "attncc"):
-        same = [r for r in rows if key(r) == key(a)]
-        for part in ("fwd", "bwd", "fwdbwd"):
-            ms = f"{part}_ms"
-            if a[ms] is None:
-                continue
-            flex = next((r[ms] for r in same if r["system"] == "flex" and r[ms] is not None), None)
-            a[f"speedup_vs_flex_{part}"] = flex / a[ms] if flex else None
-            sdpa = [r for r in same if r["system"].startswith("sdpa") and r[ms] is not None]
-            best = min(sdpa, key=lambda r: r[ms], default=None)
-            a[f"speedup_vs_sdpa_{part}"] = best[ms] / a[ms] if best else None
-            a[f"sdpa_best_{part}"] = best["system"] if best else None
-
-
 # ---------------------------------------------------------------- first-call latency
 
 def latency_child(system, name, shape):
@@ -220,10 +205,7 @@ def latency_child(system, name, shape):
     B, H, N, D = shape
     case = make_cases(H, N, DEVICE)[name]
     q, k, v = (torch.randn(B, h, N, D, device=DEVICE, dtype=DTYPE) for h in (H, H // case.gqa, H // case.gqa))
-    if system == "attncc":
-        import attncc  # noqa: F401  (imports are not part of the first call)
-    else:
-        import torch.nn.attention.flex_attention  # noqa: F401
+    importlib.import_module("attncc" if system == "attncc" else "torch.nn.attention.flex_attention")  # not timed
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -247,15 +229,16 @@ def run_child(system, name, shape, env):
     return dict(json.loads(lines[-1]), process_s=time.perf_counter() - t0)
 
 
-def measure_latency(names, shape):
-    """Per variant and system: a cold child (empty cache dirs), then a warm one (same dirs, filled)."""
+def measure_latency(names, shape, rows, on_row=lambda: None):
+    """Appends to rows, per variant and system, a cold child (empty cache dirs) and a warm one (the
+    same dirs, filled by the cold one)."""
     B, H, N, D = shape
-    rows = []
     for name in names:
         for system in ("attncc", "flex"):
             row = dict(kind="first_call", system=system, variant=name, B=B, H=H, N=N, D=D)
             if system == "flex" and not make_cases(H, N, "cpu")[name].flex:
                 rows.append(dict(row, note="n/a: FlexAttention has no dropout"))
+                on_row()
                 continue
             with tempfile.TemporaryDirectory(prefix=f"bench-{system}-") as tmp:
                 env = dict(os.environ, ATTNCC_CACHE_DIR=f"{tmp}/attncc", TRITON_CACHE_DIR=f"{tmp}/triton",
@@ -266,134 +249,59 @@ def measure_latency(names, shape):
                        cold_process_s=cold.get("process_s"), warm_process_s=warm.get("process_s"),
                        setup_s=cold.get("setup_s"), note=cold.get("error") or warm.get("error"))
             rows.append(row)
+            on_row()
             print(f"first call {system:7s} {name:22s} cold {fmt(row['cold_s'], '.2f')} s  "
                   f"warm {fmt(row['warm_s'], '.2f')} s  {row['note'] or ''}", flush=True)
-    return rows
-
-
-# ---------------------------------------------------------------- output
-
-def fmt(x, spec):
-    return "n/a" if x is None else format(x, spec)
-
-
-def fmt_shape(s):
-    return "x".join(map(str, s))
-
-
-def row_shape(r):
-    return f"{r['B']}×{r['H']}×{r['N']}×{r['D']}"
-
-
-def progress_line(r):
-    errs = r.get("check_errors") or {}
-    worst = max((e for e in errs.values() if isinstance(e, float)), default=None)
-    checked = f"check vs {r['check_ref']}: max rel err {worst:.1e}  " if r.get("check_ok") else ""
-    return (f"{r['system']:10s} {r['variant']:22s} {row_shape(r):16s} fwd {fmt(r['fwd_ms'], '.3f')} ms "
-            f"({fmt(r['fwd_tflops'], '.0f')} TFLOP/s)  bwd {fmt(r['bwd_ms'], '.3f')} ms "
-            f"({fmt(r['bwd_tflops'], '.0f')} TFLOP/s)  {checked}{r['note'] or ''}")
-
-
-def ratio_cell(r, vs):
-    cells = [r.get(f"speedup_vs_{vs}_{p}") for p in ("fwd", "bwd")]
-    return "" if all(c is None for c in cells) else " · ".join(fmt(c, ".2f") + "×" for c in cells)
-
-
-def timing_table(rows):
-    lines = ["| variant | B×H×N×D | system | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | attncc/flex fwd · bwd "
-             "| attncc/best SDPA fwd · bwd | note |", "|---|---|---|--:|--:|--:|--:|--:|--:|---|"]
-    for r in rows:
-        lines.append(f"| {r['variant']} | {row_shape(r)} | {r['system']} | {fmt(r['fwd_ms'], '.3f')} | "
-                     f"{fmt(r['bwd_ms'], '.3f')} | {fmt(r['fwd_tflops'], '.0f')} | {fmt(r['bwd_tflops'], '.0f')} | "
-                     f"{ratio_cell(r, 'flex')} | {ratio_cell(r, 'sdpa')} | {r['note'] or ''} |")
-    return "\n".join(lines)
-
-
-def latency_table(rows):
-    by = {(r["variant"], r["system"]): r for r in rows}
-    lines = ["| variant | B×H×N×D | attncc cold s | attncc warm s | flex cold s | flex warm s | note |",
-             "|---|---|--:|--:|--:|--:|---|"]
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        a, f = by[(name, "attncc")], by[(name, "flex")]
-        note = "; ".join(f"{s}: {r['note']}" for s, r in (("attncc", a), ("flex", f)) if r.get("note"))
-        lines.append(f"| {name} | {row_shape(a)} | {fmt(a.get('cold_s'), '.2f')} | {fmt(a.get('warm_s'), '.2f')} | "
-                     f"{fmt(f.get('cold_s'), '.2f')} | {fmt(f.get('warm_s'), '.2f')} | {note} |")
-    return "\n".join(lines)
-
-
-def plot(rows, path):
-    """Grouped bars, one panel per shape: attncc's fwd and fwd+bwd speedup over FlexAttention."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no chart ({path.name} not written)")
-        return
-    att = [r for r in rows if r["kind"] == "timing" and r["system"] == "attncc" and r.get("speedup_vs_flex_fwd")]
-    shapes = list(dict.fromkeys(row_shape(r) for r in att))
-    if not shapes:
-        return
-    fig, axes = plt.subplots(len(shapes), 1, figsize=(11, 3.2 * len(shapes)), squeeze=False)
-    for ax, shape in zip(axes[:, 0], shapes):
-        rs = [r for r in att if row_shape(r) == shape]
-        x = range(len(rs))
-        for dx, part, label in ((-0.2, "fwd", "fwd"), (0.2, "fwdbwd", "fwd+bwd")):
-            ax.bar([i + dx for i in x], [r.get(f"speedup_vs_flex_{part}") or float("nan") for r in rs], 0.4,
-                   label=label)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_yscale("log", base=2)
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}×"))
-        ax.set_xticks(list(x), [r["variant"] for r in rs], rotation=20, ha="right", fontsize=8)
-        ax.set_title(f"B×H×N×D = {shape}", fontsize=10)
-        ax.set_ylabel("attncc speedup over flex")
-    axes[0, 0].legend()
-    fig.suptitle(f"attncc vs torch.compile(flex_attention), {rows[0]['dtype']}, {rows[0]['gpu']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
 
 
 def gpu_name():
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def git_commit():
+    """The checkout's commit (+ "-dirty" with local changes), or None outside a git checkout."""
+    run = lambda *a: subprocess.run(["git", *a], cwd=Path(__file__).parent, capture_output=True, text=True)  # noqa
+    try:
+        head, status = run("rev-parse", "--short", "HEAD"), run("status", "--porcelain", "--untracked-files=no")
+    except OSError:
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "") if head.returncode == 0 else None
+
+
 def environment(args):
+    """Carried by every result row: what ran, where and how."""
     import attncc
     import triton
     return dict(gpu=gpu_name(), torch=torch.__version__, triton=triton.__version__, attncc=attncc.__version__,
-                cuda=torch.version.cuda, dtype=str(DTYPE).removeprefix("torch."), warmup_ms=args.warmup,
-                rep_ms=args.rep, date=time.strftime("%Y-%m-%d"))
-
-
-def save(rows, env, path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([dict(r, **env) for r in rows], indent=1) + "\n")
+                attncc_commit=git_commit(), cuda=torch.version.cuda, dtype=str(DTYPE).removeprefix("torch."),
+                warmup_ms=args.warmup, rep_ms=args.rep, date=time.strftime("%Y-%m-%d %H:%M"))
 
 
 def parse_args(argv=None):
-    shapes = lambda s: [tuple(int(x) for x in item.split("x")) for item in s.split(",")]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shapes = lambda s: [] if s == "none" else [tuple(int(x) for x in it.split("x")) for it in s.split(",")]  # noqa
+    p = argparse.ArgumentParser(description="attncc vs compiled FlexAttention vs SDPA (flash, cuDNN): bf16 fwd and "
+                                "fwd+bwd timings, first-call latency. See benchmarks/README.md.")
     p.add_argument("--quick", action="store_true", help="one shape (4x16x4096x128); first-call latency of causal only")
     p.add_argument("--only", help=f"comma-separated variants among: {', '.join(NAMES)}")
-    p.add_argument("--shapes", type=shapes, help="comma-separated BxHxNxD, e.g. 4x16x4096x128,4x32x4096x64")
+    p.add_argument("--shapes", type=shapes, help="comma-separated BxHxNxD (e.g. 4x16x4096x128,4x32x4096x64), "
+                   "or none for first-call latency only")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (default 100)")
-    p.add_argument("--latency", help="first-call latency for: all | none | VARIANT,... (default all; --quick: causal)")
-    p.add_argument("--latency-shape", type=lambda s: shapes(s)[0], default=LATENCY_SHAPE)
+    p.add_argument("--latency", help="first-call latency for: all | none | VARIANT,... (default: the --only "
+                   "variants, else all; --quick: causal)")
+    p.add_argument("--latency-shape", type=lambda s: shapes(s)[0], default=LATENCY_SHAPE,
+                   help="BxHxNxD of the first-call measurement (default 4x16x4096x128)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for <gpu>.json and <gpu>.png")
     p.add_argument("--latency-child", nargs=2, metavar=("SYSTEM", "VARIANT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.names = args.only.split(",") if args.only else list(NAMES)
-    lat = args.latency or (",".join(QUICK_LATENCY) if args.quick else "all")
-    args.latency_names = [] if lat == "none" else [n for n in (NAMES if lat == "all" else lat.split(","))
-                                                   if args.only is None or n in args.names]
-    bad = [n for n in args.names + args.latency_names if n not in NAMES]
+    lat = args.latency or (",".join(QUICK_LATENCY) if args.quick else ",".join(args.names))
+    args.latency_names = [] if lat == "none" else list(NAMES) if lat == "all" else lat.split(",")
+    bad = [n for n in dict.fromkeys(args.names + args.latency_names) if n not in NAMES]
     if bad:
         p.error(f"unknown variant(s) {', '.join(bad)}; choose among {', '.join(NAMES)}")
-    args.partial = bool(args.quick or args.only or args.shapes)
-    args.shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+    if args.shapes is None:
+        args.shapes = QUICK_SHAPES if args.quick else SHAPES
     return args
 
 
@@ -409,28 +317,30 @@ def main(argv=None):
             setattr(torch._dynamo.config, knob, 1000)
     env = environment(args)
     print(" ".join(f"{k} {v}" for k, v in env.items()), flush=True)
-    stem = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-") + ("-partial" if args.partial else "")
-    json_path, t_start, rows = args.out / f"{stem}.json", time.perf_counter(), []
+    path = args.out / (re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-") + ".json")
+    t_start, rows, latency = time.perf_counter(), [], []
     for shape in args.shapes:
         t = time.perf_counter()
         cases = make_cases(shape[1], shape[2], DEVICE)
         for name in args.names:
-            if shape[1] % cases[name].gqa:
-                continue
-            rows += bench_case(cases[name], shape, args.warmup, args.rep)
-            add_speedups(rows)
-            save(rows, env, json_path)
+            if shape[1] % cases[name].gqa == 0:
+                rows += bench_case(cases[name], shape, args.warmup, args.rep)
+                save(rows, env, path)  # after every case: a run cut short keeps what it measured
         print(f"-- {fmt_shape(shape)} done in {time.perf_counter() - t:.0f} s", flush=True)
-    t = time.perf_counter()
-    latency = measure_latency(args.latency_names, args.latency_shape) if args.latency_names else []
-    print(f"-- first-call latency done in {time.perf_counter() - t:.0f} s", flush=True)
-    save(rows + latency, env, json_path)
-    print(f"wrote {json_path}")
-    plot([dict(r, **env) for r in rows], json_path.with_suffix(".png"))
+    if args.latency_names:
+        t = time.perf_counter()
+        measure_latency(args.latency_names, args.latency_shape, latency, lambda: save(rows + latency, env, path))
+        print(f"-- first-call latency done in {time.perf_counter() - t:.0f} s", flush=True)
+    merged = save(rows + latency, env, path)
+    print(f"wrote {path} ({len(merged)} rows, {len(rows) + len(latency)} from this run)")
+    plot(merged, path.with_suffix(".png"))
     if latency:
         print(f"\nFirst call (trace/compile + first forward, {fmt_shape(args.latency_shape)}, fresh process; "
               "cold: empty cache dirs, warm: the same dirs filled by the cold run)\n")
         print(latency_table(latency))
+    if not rows:
+        return
+    add_speedups(rows)
     print(f"\nattncc vs FlexAttention vs SDPA, {env['gpu']}, {env['dtype']}, median of do_bench "
           f"(ratios: other ms / attncc ms, > 1 means attncc is faster); total {time.perf_counter() - t_start:.0f} s\n")
     print(timing_table(rows))
