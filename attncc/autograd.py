@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import runtime
+from . import blocks, runtime
 
 
 @dataclass
@@ -21,6 +21,15 @@ class Launch:
     def interpret(self) -> bool:
         return self.spec.target == "interpreter"
 
+    def blocks(self, module, q, k, captures):
+        """Tile lists for a data-dependent mask (None when the kernels derive their own bounds)."""
+        if not module.BLOCK_SPARSE:
+            return None
+        fwd = self.compiled.module("fwd", self.spec)
+        caps = runtime.interp_captures(captures) if self.interpret else captures
+        return blocks.for_module(module, fwd, caps, q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                 fwd.CLASS_PER_HEAD, q.device)
+
 
 class AttentionFunction(torch.autograd.Function):
     """out, lse = attention(q, k, v; captured tensors) through generated kernels.
@@ -32,7 +41,8 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, launch: Launch, *captures):
         module = launch.compiled.module("fwd", launch.spec)
-        out, lse = runtime.forward(module, q, k, v, captures, launch.scale, launch.interpret, launch.rng)
+        out, lse = runtime.forward(module, q, k, v, captures, launch.scale, launch.interpret, launch.rng,
+                                   launch.blocks(module, q, k, captures))
         ctx.launch = launch
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, *captures)
@@ -48,7 +58,8 @@ class AttentionFunction(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv, dcaps = runtime.backward(module, q, k, v, out, lse, dout, dlse, captures, learnable,
-                                             launch.scale, launch.interpret, launch.rng, spec.deterministic)
+                                             launch.scale, launch.interpret, launch.rng, spec.deterministic,
+                                             launch.blocks(module, q, k, captures))
         grads = [None] * len(captures)
         for i, g in zip(learnable, dcaps):
             grads[i] = g.to(captures[i].dtype)

@@ -124,6 +124,8 @@ class KernelPlan:
     mods: dict            # kernel function name -> printer.ModCode
     bounds: dict          # kernel function name -> TileRange of its inner loop
     grads: tuple = ()     # CapGrad per learnable load site (bwd)
+    block_sparse: bool = False    # the mask reads captured tensors: precomputed tile lists drive the loops
+    class_per_head: bool = False  # ... and reads b or h, so each (b, h) has its own tile classes
     atomic_dq: bool = False  # bwd: dq by atomic adds from the dK/dV kernel instead of its own kernel
     dropout: bool = False     # the Philox dropout mask is compiled in
     deterministic: bool = False  # capture gradients accumulate as int64 fixed point (bitwise reproducible)
@@ -211,6 +213,9 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
     ranges = {"attn_fwd": (Q, KV, Q_LO, Q_HI), "attn_bwd_dq": (Q, KV, Q_LO, Q_HI),
               "attn_bwd_dkdv": (KV, Q, KV_LO, KV_HI)}
     tile_bounds = {fn: _tile_range(mask, *ranges[fn], tp) for fn in fns if fn in ranges}
+    block_sparse = bool(f.captures_in_mask)
+    if block_sparse and kernel == "fwd":
+        mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(
         CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
         for i, (nd, kind) in enumerate(analysis.captures))
@@ -223,4 +228,5 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
         tiles={fn: choose_tiles(fn, spec) for fn in fns}, mods=mods, bounds=tile_bounds, grads=grads,
-        atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic)
+        atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
+        block_sparse=block_sparse, class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)))

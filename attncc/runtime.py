@@ -74,7 +74,7 @@ def _like_query_layout(q: torch.Tensor, dv: int, dtype) -> torch.Tensor:
     return torch.empty(B, H, L, dv, dtype=dtype, device=q.device)
 
 
-def forward(module, q, k, v, captures, scale, interpret: bool, rng=()):
+def forward(module, q, k, v, captures, scale, interpret: bool, rng=(), blocks=None):
     """out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) float32 from a generated fwd module."""
     B, H, Lq, _ = q.shape
     out = _like_query_layout(q, v.shape[-1], q.dtype)
@@ -85,14 +85,15 @@ def forward(module, q, k, v, captures, scale, interpret: bool, rng=()):
         # The interpreter computes on bf16's raw bits; run in float32 and round once at the end.
         q, k, v = q.float(), k.float(), v.float()
         tmp = _like_query_layout(q, v.shape[-1], torch.float32)
-        module.launch(q, k, v, tmp, lse, _interp_captures(captures), scale, *rng)
+        module.launch(q, k, v, tmp, lse, interp_captures(captures), scale, *rng, blocks=blocks)
         out.copy_(tmp)
         return out, lse
-    module.launch(q, k, v, out, lse, _interp_captures(captures) if interpret else captures, scale, *rng)
+    module.launch(q, k, v, out, lse, interp_captures(captures) if interpret else captures, scale, *rng,
+                  blocks=blocks)
     return out, lse
 
 
-def _interp_captures(captures):
+def interp_captures(captures):
     return [c.float() if c.dtype == torch.bfloat16 else c for c in captures]
 
 
@@ -100,7 +101,7 @@ FIXED_POINT = 2.0 ** 32  # deterministic capture gradients: int64 in steps of 2*
 
 
 def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, interpret: bool, rng=(),
-             deterministic=False):
+             deterministic=False, blocks=None):
     """dq, dk, dv and float32 gradients of the learnable captures from a generated bwd module."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dlse is not None:
@@ -110,14 +111,14 @@ def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, 
     if dq.numel() == 0 and dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dcaps
     if interpret:
-        captures = _interp_captures(captures)
+        captures = interp_captures(captures)
         if q.dtype == torch.bfloat16:
             # The interpreter computes on bf16's raw bits: run in float32, round once at the end.
             f = [t.float() for t in (q, k, v, out, dout)]
             g = [torch.empty_like(t) for t in f[:3]]
-            module.launch(*f[:4], lse, f[4], dlse, *g, captures, dcaps, scale, *rng)
+            module.launch(*f[:4], lse, f[4], dlse, *g, captures, dcaps, scale, *rng, blocks=blocks)
             return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), _float_grads(dcaps)
-    module.launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale, *rng)
+    module.launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale, *rng, blocks=blocks)
     return dq, dk, dv, _float_grads(dcaps)
 
 

@@ -62,3 +62,55 @@ def test_bounds_are_tight_for_causal_and_window():
     tb = bounds.derive(m, Q, KV, LO, HI)
     assert (tb.reach.first, tb.reach.last) == (LO - 6, HI)
     assert (tb.full.first, tb.full.last) == (HI - 6, LO)
+
+
+def test_block_classes_of_a_data_dependent_mask_match_brute_force():
+    from attncc import blocks
+    doc = torch.tensor([0] * 40 + [1] * 25 + [2] * 70)
+    L = doc.numel()
+    mask = lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k)
+    kernel = attncc.compile(attncc.Variant(mask_mod=mask))
+    q = torch.randn(1, 2, L, 16)
+    kernel(q, q, q)  # builds the modules
+    fwd = [m for (key, kind, _), (_, m) in attncc.api._loaded.items()
+           if key == kernel.variant.ir_key and kind == "fwd"][0]
+    assert fwd.BLOCK_SPARSE and not fwd.CLASS_PER_HEAD
+    fine = blocks.fine_classes(fwd, [doc], 1, 2, L, L, False, "cpu")
+    dense = (doc[:, None] == doc[None, :]) & (torch.arange(L)[:, None] >= torch.arange(L)[None, :])
+    F = blocks.FINE
+    for i in range(fine.shape[1]):
+        for j in range(fine.shape[2]):
+            tile = dense[i * F:(i + 1) * F, j * F:(j + 1) * F]
+            want = 0 if not tile.any() else (2 if tile.all() and tile.numel() == F * F else 1)
+            assert fine[0, i, j].item() == want, (i, j)
+
+
+def test_changed_document_ids_reclassify():
+    doc = torch.tensor([0] * 50 + [1] * 50)
+    mask = lambda b, h, q, k: doc[q] == doc[k]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 100, 16) for _ in range(3))
+    kernel = attncc.compile(attncc.Variant(mask_mod=mask))
+    a = kernel(q, k, v)
+    doc[:] = torch.tensor([0] * 20 + [1] * 80)  # in place: same tensor, new contents
+    b = kernel(q, k, v)
+    ref = attncc.reference.attention(q.double(), k.double(), v.double(), mask_mod=mask)
+    assert ((b.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert not torch.allclose(a, b)
+
+
+def test_per_head_data_dependent_mask():
+    keep_from = torch.tensor([0, 30, 64])  # head h attends keys >= keep_from[h]
+    mask = lambda b, h, q, k: (k >= keep_from[h]) & (q >= k)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 97, 16, requires_grad=True) for _ in range(3))
+    out = attncc.attention(q, k, v, mask_mod=mask)
+    ref = attncc.reference.attention(q.double(), k.double(), v.double(), mask_mod=mask)
+    ok = torch.isfinite(ref)
+    assert torch.allclose(out.double()[ok], ref[ok], atol=1e-5)
+    do = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    gr = torch.autograd.grad(attncc.reference.attention(qd, kd, vd, mask_mod=mask), (qd, kd, vd), do.double())
+    for a, b in zip(g, gr):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-5

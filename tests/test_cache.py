@@ -84,8 +84,9 @@ def test_source_text():
 def _loop_split(src: str) -> tuple[str, str]:
     """(before the tile loop, the loop and after) of a generated forward kernel."""
     start = src.index("def attn_fwd(")
-    loop = src.index("for start_n", start)
-    return src[start:loop], src[loop:]
+    end = src.index("\ndef launch(", start)
+    loop = re.search(r"\n    for (start_n|j) in ", src[start:end]).start() + start
+    return src[start:loop], src[loop:end]
 
 
 def test_snapshot_causal_mask_line():

@@ -1,0 +1,68 @@
+"""Tile classes of data-dependent masks (a mask that reads captured tensors, like document ids).
+
+A generated kernel (``block_classes`` in the forward module) classifies every FINE x FINE tile of
+the mask as empty (0), partial (1) or full (2), once per mask input: O((L / FINE)^2) int8 per
+(b, h) that the mask distinguishes. The table is cached while the captured tensors are unchanged
+(same storage and torch version counter) and coarsened to each kernel's tile shape into lists of
+partial and full inner tiles per outer tile, which drive the kernels' loops; empty tiles are
+never visited.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+FINE = 32  # divides every tile size attncc uses (32, 64, 128)
+_cache: OrderedDict = OrderedDict()
+_CACHE_SIZE = 16
+
+
+def _tensor_key(t: torch.Tensor):
+    return (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+
+def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device) -> torch.Tensor:
+    """int8 (X, ceil(Lq / FINE), ceil(Lkv / FINE)), X = B * H if per_head else 1; cached."""
+    key = (id(fwd_module), tuple(_tensor_key(c) for c in captures), B if per_head else 0,
+           H if per_head else 0, Lq, Lkv)
+    table = _cache.get(key)
+    if table is None:
+        X = B * H if per_head else 1
+        table = torch.empty(X, -(-Lq // FINE), -(-Lkv // FINE), dtype=torch.int8, device=device)
+        if table.numel():
+            fwd_module.classify(table, captures, H, Lq, Lkv, FINE)
+        _cache[key] = table
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    return table
+
+
+def tile_lists(fine: torch.Tensor, outer: int, inner: int, transpose: bool):
+    """(partial_cnt, partial_idx, full_cnt, full_idx, n_outer, n_inner) for tiles of
+    outer x inner (rows of the table are queries; ``transpose`` makes them keys)."""
+    t = fine.transpose(1, 2) if transpose else fine
+    ro, ri = outer // FINE, inner // FINE
+    X, no, ni = t.shape
+    po, pi = -(-no // ro) * ro, -(-ni // ri) * ri
+    padded = torch.zeros(X, po, pi, dtype=torch.int8, device=t.device)  # past the end: empty
+    padded[:, :no, :ni] = t
+    blocks = padded.view(X, po // ro, ro, pi // ri, ri)
+    lo = blocks.amin(dim=(2, 4))
+    hi = blocks.amax(dim=(2, 4))
+    cls = torch.where(lo == 2, 2, torch.where(hi == 0, 0, 1))
+    out = []
+    for c in (1, 2):
+        sel = cls == c
+        cnt = sel.sum(-1, dtype=torch.int32).contiguous()
+        idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
+        out += [cnt, idx]
+    return (*out, cls.shape[1], cls.shape[2])
+
+
+def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) -> dict:
+    """Tile lists for every kernel of ``module`` (its TILES), from the cached fine table."""
+    fine = fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head, device)
+    return {fn: tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv") for fn, (o, i) in module.TILES.items()}
