@@ -40,7 +40,7 @@ def folder() -> Path:
 
 
 def key(kernel: str, variant_key: str, spec) -> str:
-    text = "\n".join([kernel, variant_key, repr(spec), _code_hash()])
+    text = "\n".join([kernel, variant_key, repr(spec), _code_hash(), repr(config.tile_overrides())])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

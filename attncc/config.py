@@ -30,3 +30,11 @@ def atomic_dq() -> bool:
     """$ATTNCC_BWD_DQ=atomic accumulates dQ with atomics in the dK/dV kernel instead of running
     the separate dQ kernel (the default, which is deterministic); kept to measure both."""
     return os.environ.get("ATTNCC_BWD_DQ", "kernel") == "atomic"
+
+
+def tile_overrides() -> dict:
+    """$ATTNCC_TILES='{"attn_fwd": [128, 64, 8, 3]}': (block_m, block_n, num_warps, num_stages)
+    per kernel function, replacing attncc's choice (for tuning experiments)."""
+    import json
+    text = os.environ.get("ATTNCC_TILES", "")
+    return {k: tuple(v) for k, v in json.loads(text).items()} if text else {}

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import __version__, printer
+from . import __version__, config, printer
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import KV, Q, SCORE
@@ -133,7 +133,12 @@ class KernelPlan:
     @property
     def runtime_ints(self):
         """Integer arguments Triton must not specialise on, so new lengths never recompile."""
-        return ["N_CTX_Q", "N_CTX_KV"] + [s for c in self.captures for s in c.size_args]
+        extra = ["CLS_OUTER", "CLS_INNER"] if self.block_sparse else []
+        return ["N_CTX_Q", "N_CTX_KV"] + extra + self.capture_sizes
+
+    @property
+    def capture_sizes(self):
+        return [s for c in self.captures for s in c.size_args]
 
     @property
     def learnable(self):
@@ -146,6 +151,9 @@ def _pow2(n: int) -> int:
 
 def choose_tiles(fn: str, spec: Spec) -> Tiles:
     """Tile shape, warps and pipeline depth for one kernel function on a target."""
+    override = config.tile_overrides().get(fn)
+    if override and spec.target != "interpreter":
+        return Tiles(*override)
     if spec.target == "interpreter":
         return Tiles(32, 32, 1, 1)  # small tiles keep several tiles and ragged edges in tests
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
