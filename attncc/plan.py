@@ -159,12 +159,19 @@ def choose_tiles(fn: str, spec: Spec) -> Tiles:
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
     if spec.dtype == "float32":
         return Tiles(64, 32, 4, 2) if d <= 128 else Tiles(32, 32, 4, 1)
+    # measured on an H200 with benchmarks/tile_sweep.py (bf16, causal and full, N=4096)
     if fn == "attn_fwd":
-        return Tiles(128, 64, 4 if d <= 64 else 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
+        if d <= 64:
+            return Tiles(128, 64, 8, 3)
+        return Tiles(128, 128, 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
     if fn == "attn_bwd_dkdv":  # BLOCK_N keys stay resident; BLOCK_M query rows stream
-        return Tiles(32, 128, 4 if d <= 64 else 8, 3) if d <= 128 else Tiles(32, 64, 4, 2)
+        if d <= 64:
+            return Tiles(32, 128, 4, 3)
+        return Tiles(64, 128, 8, 3) if d <= 128 else Tiles(32, 64, 4, 2)
     if fn == "attn_bwd_dq":
-        return Tiles(128, 32, 4 if d <= 64 else 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
+        if d <= 64:
+            return Tiles(64, 64, 4, 3)
+        return Tiles(128, 64, 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
     return Tiles(64, 64, 4, 1)  # attn_bwd_preprocess
 
 
