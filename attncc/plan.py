@@ -27,6 +27,7 @@ class Spec:
     learnable: tuple = ()    # bwd: numbers of the float captures that need a gradient
     atomic_dq: bool = False  # bwd: dq by atomics (measured alternative to the dq kernel)
     deterministic: bool = False  # bwd: capture gradients in order-independent fixed point
+    shrink: int = 0          # > 0 after the chosen tiles ran out of shared memory: smaller tiles
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,20 @@ def _pow2(n: int) -> int:
 
 
 def choose_tiles(fn: str, spec: Spec) -> Tiles:
-    """Tile shape, warps and pipeline depth for one kernel function on a target."""
+    """Tile shape, warps and pipeline depth for one kernel function on a target; each level of
+    ``spec.shrink`` drops a pipeline stage, then halves the streamed tile."""
+    t = _base_tiles(fn, spec)
+    for _ in range(spec.shrink):
+        if t.num_stages > 1:
+            t = Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages - 1)
+        elif fn == "attn_bwd_dkdv" and t.block_m > 32:
+            t = Tiles(t.block_m // 2, t.block_n, t.num_warps, t.num_stages)
+        elif t.block_n > 32:
+            t = Tiles(t.block_m, t.block_n // 2, t.num_warps, t.num_stages)
+    return t
+
+
+def _base_tiles(fn: str, spec: Spec) -> Tiles:
     override = config.tile_overrides().get(fn)
     if override and spec.target != "interpreter":
         return Tiles(*override)
