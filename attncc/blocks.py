@@ -62,7 +62,20 @@ def tile_lists(fine: torch.Tensor, outer: int, inner: int, transpose: bool):
     return (*out, cls.shape[1], cls.shape[2])
 
 
+_lists: dict = {}  # (id of a cached fine table, kernel, tiles) -> tile lists
+
+
 def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) -> dict:
-    """Tile lists for every kernel of ``module`` (its TILES), from the cached fine table."""
+    """Tile lists for every kernel of ``module`` (its TILES), from the cached fine table; the
+    lists are cached with the table, so a repeated call launches nothing here."""
     fine = fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head, device)
-    return {fn: tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv") for fn, (o, i) in module.TILES.items()}
+    live = {id(t) for t in _cache.values()}
+    for key in [k for k in _lists if k[0] not in live]:
+        del _lists[key]
+    out = {}
+    for fn, (o, i) in module.TILES.items():
+        key = (id(fine), fn, o, i)
+        if key not in _lists:
+            _lists[key] = tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv")
+        out[fn] = _lists[key]
+    return out
