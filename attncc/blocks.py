@@ -62,7 +62,7 @@ def tile_lists(fine: torch.Tensor, outer: int, inner: int, transpose: bool):
     return (*out, cls.shape[1], cls.shape[2])
 
 
-_lists: dict = {}  # (id of a cached fine table, kernel, tiles) -> tile lists
+_lists: dict = {}  # (id of a cached fine table, kernel, tiles) -> (that table, its tile lists)
 
 
 def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) -> dict:
@@ -75,7 +75,8 @@ def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) ->
     out = {}
     for fn, (o, i) in module.TILES.items():
         key = (id(fine), fn, o, i)
-        if key not in _lists:
-            _lists[key] = tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv")
-        out[fn] = _lists[key]
+        hit = _lists.get(key)
+        if hit is None or hit[0] is not fine:  # ids are reused after a table is evicted
+            hit = _lists[key] = (fine, tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv"))
+        out[fn] = hit[1]
     return out
