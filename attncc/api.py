@@ -63,9 +63,12 @@ class CompiledAttention:
         hit = _loaded.get(k)
         if hit is None or (load and hit[1] is None):
             v = self.variant
-            path = cache.source_path(kernel, v.analysis.key, spec)
-            path = cache.get_or_create(path, lambda: codegen.render(
-                plan.build(kernel, v.analysis, spec, v.name, v.captures)))
+            path = cache.lookup_alias(kernel, v.ir_key, spec)  # a warm process skips the sympy passes
+            if path is None:
+                path = cache.source_path(kernel, v.analysis.key, spec)
+                path = cache.get_or_create(path, lambda: codegen.render(
+                    plan.build(kernel, v.analysis, spec, v.name, v.captures)))
+                cache.write_alias(kernel, v.ir_key, spec, path)
             module = runtime.load(path, spec.target == "interpreter") if load else None
             hit = _loaded[k] = (path, module)
         return hit

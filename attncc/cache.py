@@ -49,6 +49,36 @@ def source_path(kernel: str, variant_key: str, spec) -> Path:
     return folder() / f"{kernel}_{key(kernel, variant_key, spec)}.py"
 
 
+def _alias(kernel: str, ir_key: str, spec) -> Path:
+    return folder() / "aliases" / f"{kernel}_{key(kernel, 'ir:' + ir_key, spec)}"
+
+
+def lookup_alias(kernel: str, ir_key: str, spec) -> Path | None:
+    """The source file generated earlier for this exact IR (before sympy canonicalisation), so a
+    warm process finds its kernel without running the passes."""
+    alias = _alias(kernel, ir_key, spec)
+    if alias.is_file():
+        target = folder() / alias.read_text().strip()
+        if target.is_file():
+            stats["disk_hits"] += 1
+            logger.debug("kernel cache hit (by IR): %s", target)
+            return target
+    return None
+
+
+def write_alias(kernel: str, ir_key: str, spec, path: Path) -> None:
+    alias = _alias(kernel, ir_key, spec)
+    _write(alias, path.name)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def get_or_create(path: Path, generate) -> Path:
     """Return ``path``, writing ``generate()`` there first if it does not exist yet."""
     if path.is_file():
@@ -57,10 +87,6 @@ def get_or_create(path: Path, generate) -> Path:
         return path
     text = generate()
     stats["codegen"] += 1
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    _write(path, text)
     logger.info("kernel cache miss: generated %s", path)
     return path
