@@ -4,11 +4,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import sympy
 import torch
 
 from . import cache, codegen, config, ir, plan, runtime
 from .autograd import AttentionFunction, Launch
+from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
+from .passes import symbolic
 from .checks import check_captures, check_qkv
 from .errors import AttnccError
 from .variant import Variant
@@ -117,6 +120,17 @@ class CompiledAttention:
         lines += ["", "Backward (dS' = P * (dP - Delta), Delta = rowsum(dO * O) - dlse):",
                   f"  dS = dS' * ({grads.dscore})"]
         lines += [f"  d loss / d {g.load} += sum over (q_idx, kv_idx) of dS' * ({g.derivative})" for g in grads.loads]
+        lines += ["", "Tile skipping:"]
+        if a.facts.mask_trivial:
+            lines += ["  no mask: every tile is computed, without mask code except at ragged edges"]
+        elif a.facts.captures_in_mask:
+            lines += ["  data-dependent mask: a generated block_classes kernel sorts tiles into empty, partial",
+                      "  and full once per mask input; kernels visit partial and full tiles only"]
+        else:
+            lo, hi = sympy.symbols("q_lo q_hi", integer=True)
+            tb = bounds_pass.derive(a.mask, symbolic.Q, symbolic.KV, lo, hi)
+            lines += [f"  a Q tile [q_lo, q_hi] reaches keys [{tb.reach.first}, {tb.reach.last}]",
+                      f"  and attends every key in [{tb.full.first}, {tb.full.last}] (those tiles run without mask code)"]
         lines += ["", f"scale = {v.scale if v.scale is not None else '1/sqrt(head_dim)'}, dropout_p = {v.dropout_p}"]
         paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]
         lines += ["", "Generated kernels in this process:"] + (["  " + p for p in paths] or ["  (none yet)"])

@@ -114,3 +114,11 @@ def test_per_head_data_dependent_mask():
     gr = torch.autograd.grad(attncc.reference.attention(qd, kd, vd, mask_mod=mask), (qd, kd, vd), do.double())
     for a, b in zip(g, gr):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
+
+
+def test_explain_shows_the_derived_tile_ranges():
+    text = attncc.compile(attncc.Variant(mask_mod=MASKS["sliding"])).explain()
+    assert "reaches keys [q_lo - 6, q_hi]" in text and "every key in [q_hi - 6, q_lo]" in text
+    doc = torch.zeros(8, dtype=torch.long)
+    text = attncc.compile(attncc.Variant(mask_mod=lambda b, h, q, k: doc[q] == doc[k])).explain()
+    assert "block_classes" in text
