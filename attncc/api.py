@@ -70,7 +70,7 @@ class CompiledAttention:
             if path is None:
                 path = cache.source_path(kernel, v.analysis.key, spec)
                 path = cache.get_or_create(path, lambda: codegen.render(
-                    plan.build(kernel, v.analysis, spec, v.name, v.captures)))
+                    plan.build(kernel, v.analysis, spec, v.captures)))
                 cache.write_alias(kernel, v.ir_key, spec, path)
             module = runtime.load(path, spec.target == "interpreter") if load else None
             hit = _loaded[k] = (path, module)

@@ -105,7 +105,6 @@ def _tile_range(mask, outer, inner, lo, hi, printer_) -> TileRange:
 @dataclass(frozen=True)
 class KernelPlan:
     kernel: str           # "fwd" or "bwd": which template
-    name: str
     attncc_version: str
     target: str
     dtype: str
@@ -221,7 +220,7 @@ def _cap_grad(g, j, printer_) -> CapGrad:
     return CapGrad(g.capture, f"dcap{j}", offset, mask, reduce)
 
 
-def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -> KernelPlan:
+def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPlan:
     """The plan for the forward ('fwd') or backward ('bwd') kernels of a variant under a Spec."""
     f = analysis.facts
     score = None if f.score_identity else analysis.score
@@ -253,7 +252,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, name: str, captures=()) -
         CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
         for i, (nd, kind) in enumerate(analysis.captures))
     return KernelPlan(
-        kernel=kernel, name=name, attncc_version=__version__, target=spec.target, dtype=spec.dtype,
+        kernel=kernel, attncc_version=__version__, target=spec.target, dtype=spec.dtype,
         head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         block_d=_pow2(spec.head_dim), block_dv=_pow2(spec.head_dim_v), group=spec.group,
         dot_precision="ieee" if spec.dtype == "float32" else "tf32",

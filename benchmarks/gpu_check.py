@@ -3,9 +3,6 @@
 python benchmarks/gpu_check.py  -> checks bf16/fp16 against the float64 reference and times
 attncc against SDPA (flash, cuDNN) and compiled FlexAttention on a few variants.
 """
-import math
-import sys
-import time
 
 import torch
 import triton
