@@ -96,9 +96,9 @@ class _Tracing:
     mod = None
 
 
-def _user_line() -> str:
-    """'file:line: code' of the innermost frame outside attncc and torch."""
-    frame = inspect.currentframe()
+def _user_line(frame=None) -> str:
+    """'file:line: code' of the innermost frame outside attncc and torch (from ``frame`` out)."""
+    frame = frame or inspect.currentframe()
     while frame is not None:
         fname = os.path.abspath(frame.f_code.co_filename)
         if not fname.startswith(_HERE) and not fname.startswith(_TORCH_DIR):
@@ -114,13 +114,24 @@ def _mod_name() -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+class _ControlFlowError(ModTraceError):
+    """Python control flow on a traced value. The message (which reads source lines) is built
+    only when shown: torch probes proxies with len() while indexing and discards the error."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what, self.mod, self.frame = what, _mod_name(), inspect.currentframe().f_back
+
+    def __str__(self):
+        return (f"{self.mod} uses {self.what} on a traced value at {_user_line(self.frame)}\n"
+                "Mods are traced once and run elementwise inside the kernel, so Python control flow "
+                "cannot depend on score, b, h, q_idx or kv_idx. Use torch.where(cond, a, b) instead of "
+                "if/else, `&` and `|` instead of `and`/`or`, `~` instead of `not`, and unroll loops over "
+                "Python constants.")
+
+
 def _control_flow_error(what: str):
-    raise ModTraceError(
-        f"{_mod_name()} uses {what} on a traced value at {_user_line()}\n"
-        "Mods are traced once and run elementwise inside the kernel, so Python control flow "
-        "cannot depend on score, b, h, q_idx or kv_idx. Use torch.where(cond, a, b) instead of "
-        "if/else, `&` and `|` instead of `and`/`or`, `~` instead of `not`, and unroll loops over "
-        "Python constants.")
+    raise _ControlFlowError(what)
 
 
 def _node(x):
