@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -90,3 +91,24 @@ def get_or_create(path: Path, generate) -> Path:
     _write(path, text)
     logger.info("kernel cache miss: generated %s", path)
     return path
+
+
+def _version_folders() -> list[Path]:
+    """attncc's folders in the cache dir, of this and of earlier attncc / Triton versions."""
+    root = config.cache_dir()
+    return sorted(p for p in root.glob("attncc-*-triton-*") if p.is_dir()) if root.is_dir() else []
+
+
+def entries() -> list[tuple[Path, int]]:
+    """(path, size in bytes) of every file in the kernel cache, all versions, sorted by path.
+    Only attncc's own folders are looked at, so a shared ATTNCC_CACHE_DIR is safe."""
+    return [(f, f.stat().st_size) for d in _version_folders() for f in sorted(d.rglob("*")) if f.is_file()]
+
+
+def clear() -> tuple[int, int]:
+    """Delete every file of the kernel cache (all versions); returns (files, bytes) removed.
+    A running process keeps the kernels it has already loaded."""
+    found = entries()
+    for d in _version_folders():
+        shutil.rmtree(d, ignore_errors=True)
+    return len(found), sum(size for _, size in found)
