@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -86,10 +87,11 @@ def get_or_create(path: Path, generate) -> Path:
         stats["disk_hits"] += 1
         logger.debug("kernel cache hit: %s", path)
         return path
+    start = time.perf_counter()
     text = generate()
     stats["codegen"] += 1
     _write(path, text)
-    logger.info("kernel cache miss: generated %s", path)
+    logger.info("kernel cache miss: generated %s in %.0f ms", path, 1e3 * (time.perf_counter() - start))
     return path
 
 

@@ -1,15 +1,27 @@
-"""Validation of user inputs: every failure names the problem and the fix."""
+"""Validation of user inputs per call: every failure names the problem and the fix.
+
+What needs no inputs (a mod's arity, return type and operations; scale; dropout_p) is checked
+once, when a Variant is built (attncc.trace, attncc.variant). What depends on the call's
+tensors is checked here, before any kernel is generated or launched: the query/key/value
+shapes, dtypes and devices (``check_qkv``), the captured tensors' devices and layouts
+(``check_captures``) and whether the captured tensors are large enough for the indices the
+mods read them at (``check_capture_indices``).
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 
+from . import config, ir
 from .errors import AttnccError
+from .passes.ranges import interval
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES) -> int:
+def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM) -> int:
     """Validate query/key/value; return the GQA group size Hq // Hkv."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
@@ -35,8 +47,8 @@ def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES) -> int:
     if k.shape[3] != D:
         raise AttnccError(f"query and key head dims differ ({D} vs {k.shape[3]}); they are dotted together")
     for name, d in (("query/key", D), ("value", v.shape[3])):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise AttnccError(f"{name} head dim {d} is outside the supported range 1..{MAX_HEAD_DIM}")
+        if not 1 <= d <= max_head_dim:
+            raise AttnccError(f"{name} head dim {d} is outside the supported range 1..{max_head_dim}")
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise AttnccError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for GQA/MQA")
@@ -47,10 +59,97 @@ def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES) -> int:
 
 
 def check_captures(captures, device: torch.device) -> None:
-    """Captured tensors must live on the inputs' device (they are read inside the kernel)."""
+    """Captured tensors must live on the inputs' device and be dense (the kernels read them in
+    place through their strides). Their dtypes were checked when the mod was traced."""
     for c in captures:
         t = c.tensor
         if t.device != device:
             raise AttnccError(
                 f"captured tensor {c!r} is on {t.device} but the inputs are on {device}; "
                 f"create it on {device} (or move it with .to(device) before building the mod)")
+        if t.layout != torch.strided:
+            raise AttnccError(f"captured tensor {c!r} has layout {t.layout}; the kernels read dense tensors: "
+                              "capture t.to_dense() instead")
+
+
+_LENGTHS = {"b": "B", "h": "Hq", "q_idx": "Lq", "kv_idx": "Lkv"}
+_MEMO_SIZE = 256
+
+
+def check_capture_indices(variant, query, key) -> None:
+    """Raise AttnccError when a captured tensor is too small for an index the mods read it at,
+    for attention of ``query`` (B, Hq, Lq, D) over ``key`` (B, Hkv, Lkv, D): b, h, q_idx and
+    kv_idx run over [0, B), [0, Hq), [0, Lq) and [0, Lkv).
+
+    Checked (``variant.index_sites``, see attncc.passes.ranges): a dimension indexed by a bare
+    ``b``, ``h``, ``q_idx`` or ``kv_idx`` must have at least B, Hq, Lq or Lkv entries; an index
+    the mod bounds itself (``clamp``, ``%``, ``&`` with constants) must stay inside its
+    dimension at this call's lengths, negative values included. Not checked: indices shifted
+    by constants or combining leaves (``kv_idx - 5``, ``q_idx - kv_idx + L - 1``), whose reads
+    outside the tensor give 0 by design (padding, or positions a mask removes) --
+    ATTNCC_INDEX_CHECK=all checks their upper end too; indices computed from captured tensors'
+    values (``bias[doc_ids[q_idx]]``), which would need reading the tensors on every call; and
+    loads inside a ``torch.where`` branch, which the condition may guard. Mask_mods do not
+    exempt a score_mod's reads: both are evaluated on every position of a visited tile.
+    ATTNCC_INDEX_CHECK=off turns the check off.
+
+    Cost: the sites are found once per variant; a call with lengths and capture shapes seen
+    before costs one set lookup (about 2 us).
+    """
+    if not variant.index_sites:
+        return
+    B, Hq, Lq, _ = query.shape
+    Lkv = key.shape[2]
+    check_index_ranges(variant, {"b": (0, B - 1), "h": (0, Hq - 1), "q_idx": (0, Lq - 1), "kv_idx": (0, Lkv - 1)},
+                       (B, Hq, Lq, Lkv))
+
+
+def check_index_ranges(variant, leaves: dict, lengths: tuple | None = None) -> None:
+    """``check_capture_indices`` for any positions: ``leaves`` maps b, h, q_idx and kv_idx to the
+    inclusive (first, last) values the kernels give them (a KV cache's queries sit after its
+    earlier tokens, say); an empty range (last < first) means nothing is read. ``lengths``
+    (B, Hq, Lq, Lkv), when given, names the call's shape in messages."""
+    sites = variant.index_sites
+    if not sites:
+        return
+    mode = config.index_check()
+    if mode == "off":
+        return
+    caps = variant.captures
+    memo = (tuple(leaves.items()), mode, tuple(tuple(c.tensor.shape) for c in caps))
+    if memo in variant.index_checked:
+        return
+    if all(lo <= hi for lo, hi in leaves.values()):  # with an empty axis no score exists: nothing is read
+        described = (", ".join(f"{n}={v}" for n, v in zip(_LENGTHS.values(), lengths)) if lengths else
+                     ", ".join(f"{k} in {lo}..{hi}" for k, (lo, hi) in leaves.items()))
+        for site in sites:
+            if site.kind == "data" or (site.kind == "shifted" and mode != "all"):
+                continue
+            size = caps[site.capture].tensor.shape[site.dim]
+            lo, hi = interval(site.index, leaves)
+            if hi >= size or (lo < 0 and site.kind != "shifted"):
+                raise AttnccError(_index_message(site, caps[site.capture], lo, hi, size, described))
+    if len(variant.index_checked) >= _MEMO_SIZE:
+        variant.index_checked.clear()
+    variant.index_checked.add(memo)
+
+
+def _index_message(site, cap, lo, hi, size, described) -> str:
+    name = f"`{cap.name}`" if cap.name else f"cap{site.capture}"
+    text = ir.to_text(site.index)
+    lo, hi = (int(x) if math.isfinite(x) else x for x in (lo, hi))
+    head = (f"captured tensor {name} of shape {tuple(cap.tensor.shape)} is too small for its index `{text}` "
+            f"in dimension {site.dim}: ")
+    if site.kind == "axis":
+        leaf = site.index.op
+        return (head + f"{leaf} runs over {lo}..{hi} in this call ({described}), but the dimension has "
+                f"{size} entries. Give it {hi + 1} entries, one per {leaf}, or bound the index (e.g. "
+                f"torch.clamp({leaf}, max={size - 1})); attncc would read 0 past the end.")
+    if hi >= size:
+        return (head + f"the index reaches {hi} in this call ({described}), but the dimension has {size} "
+                f"entries (0..{size - 1}). Give it at least {hi + 1} entries or bound the index "
+                f"(torch.clamp(..., 0, {size - 1})); attncc would read 0 past the end."
+                + (" (Shifted indices are checked because ATTNCC_INDEX_CHECK=all.)" if site.kind == "shifted" else ""))
+    return (head + f"the index goes down to {lo} in this call ({described}). attncc reads 0 at negative "
+            f"indices, where PyTorch indexing would wrap around to the end: add {-lo} so the index starts "
+            "at 0, and size the tensor for it.")

@@ -15,10 +15,39 @@ def cache_dir() -> Path:
     return Path(base) / "attncc"
 
 
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
 def log_level() -> int | None:
-    """$ATTNCC_LOG = debug | info | warning: attncc's logging level (None: leave logging alone)."""
-    name = os.environ.get("ATTNCC_LOG", "").strip().upper()
-    return getattr(logging, name, None) if name else None
+    """$ATTNCC_LOG = debug | info | warning | error: the level of the ``attncc`` logger, which
+    then prints to stderr (None, the default: leave logging to the application). INFO shows
+    kernel generation and compile times, DEBUG also cache hits and tile choices."""
+    name = os.environ.get("ATTNCC_LOG", "").strip().lower()
+    if not name:
+        return None
+    if name not in LOG_LEVELS:
+        import warnings
+        warnings.warn(f"ATTNCC_LOG={name!r} is not a log level; use one of {', '.join(LOG_LEVELS)}", stacklevel=2)
+        return None
+    return LOG_LEVELS[name]
+
+
+INDEX_CHECKS = ("plain", "all", "off")
+
+
+def index_check() -> str:
+    """$ATTNCC_INDEX_CHECK = plain | all | off: which captured-tensor indices each call checks
+    against the tensors' shapes (attncc.checks.check_capture_indices). ``plain`` (default):
+    bare b/h/q_idx/kv_idx indices and indices the mod bounds itself (clamp, %); ``all`` also
+    the upper end of shifted indices such as ``kv_idx - 5``, which otherwise read 0 past the end."""
+    mode = os.environ.get("ATTNCC_INDEX_CHECK")
+    if mode is None:  # the common case, read on every call: keep it cheap
+        return "plain"
+    mode = mode.strip().lower() or "plain"
+    if mode not in INDEX_CHECKS:
+        from .errors import AttnccError
+        raise AttnccError(f"ATTNCC_INDEX_CHECK={mode!r} is not one of {', '.join(INDEX_CHECKS)}")
+    return mode
 
 
 def force_interpreter() -> bool:

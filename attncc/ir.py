@@ -47,6 +47,10 @@ BINARY = {
     "and": "logic", "or": "logic", "xor": "logic",
 }
 LEAVES = ("score", "b", "h", "q_idx", "kv_idx")
+# dtypes a captured tensor may have: Triton loads them on every target, the interpreter included
+# (float8 fails in the interpreter and before sm89; uint32/64 do not fit the int32 index math)
+CAPTURE_DTYPES = (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16,
+                  torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class Capture:
@@ -60,10 +64,12 @@ class Capture:
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions: how many indices a load of this tensor takes."""
         return self.tensor.dim()
 
     @property
     def kind(self) -> str:
+        """The IR type of a read element: 'bool', 'int' or 'float' (computed in float32)."""
         if self.tensor.dtype == torch.bool:
             return BOOL
         return FLOAT if self.tensor.is_floating_point() else INT
@@ -173,16 +179,23 @@ def _result_type(op: str, rule: str, types: list[str]) -> str:
 
 
 def unary(op: str, x) -> Node:
+    """IR node for the unary operation ``op`` (a key of ``UNARY``) of ``x``, type-checked."""
     x = const(x)
     return Node(op, (x,), None, _result_type(op, UNARY[op], [x.type]))
 
 
 def binary(op: str, x, y) -> Node:
+    """IR node for the binary operation ``op`` (a key of ``BINARY``) of ``x`` and ``y``; Python
+    numbers become constants, int operands of a float operation are promoted."""
     x, y = const(x), const(y)
+    if op in ("truediv", "floordiv", "mod") and y.op == "const" and y.value == 0:
+        raise AttnccError(f"{to_text(x)} {_SYMBOLS[op]} 0 divides by zero; a mod must divide by a non-zero "
+                          "number (torch.where can select another value where a divisor is 0)")
     return Node(op, (x, y), None, _result_type(op, BINARY[op], [x.type, y.type]))
 
 
 def where(cond, x, y) -> Node:
+    """``torch.where(cond, x, y)``: ``cond`` must be bool; the result is float if either branch is."""
     cond, x, y = const(cond), const(x), const(y)
     if cond.type != BOOL:
         raise AttnccError(f"the condition of where() must be bool, got {cond.type}")
@@ -194,6 +207,7 @@ def where(cond, x, y) -> Node:
 
 
 def cast(x, to: str) -> Node:
+    """``x`` converted to 'float', 'int' (truncating toward zero, like .long()) or 'bool' (x != 0)."""
     x = const(x)
     if to not in (FLOAT, INT, BOOL):
         raise AttnccError(f"unknown cast target {to!r}")
@@ -214,11 +228,15 @@ def load(tensor, *index) -> Node:
         if i.type != INT:
             raise AttnccError(f"a captured tensor index must be an integer expression, got {i.type} "
                               f"({to_text(i)}); use .long() or // to make it integral")
-    if cap.tensor.is_complex() or cap.tensor.dtype in (torch.uint64, torch.uint32):
-        raise AttnccError(f"captured tensors of dtype {cap.tensor.dtype} are not supported")
+    if cap.tensor.dtype not in CAPTURE_DTYPES:
+        raise AttnccError(
+            f"captured tensor of shape {tuple(cap.tensor.shape)} has dtype {cap.tensor.dtype}, which the kernels "
+            "cannot read; supported: bool, int8/16/32/64, uint8/16, float16, bfloat16, float32, float64. "
+            "Convert it first, e.g. .to(torch.float32) or .to(torch.int32)")
     return Node("load", idx, cap, cap.kind)
 
 
+# The leaves: the (scaled) score, batch index, query-head index, query and key positions.
 score = Node("score", type=FLOAT)
 b = Node("b", type=INT)
 h = Node("h", type=INT)
@@ -248,6 +266,7 @@ minimum, maximum, eq, ne = (_make_binary(o) for o in ("minimum", "maximum", "eq"
 
 
 def clamp(x, lo=None, hi=None) -> Node:
+    """``torch.clamp(x, lo, hi)`` as maximum/minimum nodes (either bound may be None)."""
     x = const(x)
     if lo is not None:
         x = maximum(x, lo)
@@ -325,8 +344,12 @@ def verify(score_expr: Node | None, mask_expr: Node | None) -> None:
         if score_expr.type == BOOL:
             raise AttnccError("score_mod must return a number (the modified score), got a bool")
     if mask_expr is not None:
+        if mask_expr.type == INT:
+            raise AttnccError("mask_mod must return a bool (True = attend), got int; compare it "
+                              "(`x != 0`) or convert it with .bool()")
         if mask_expr.type != BOOL:
-            raise AttnccError(f"mask_mod must return a bool (True = attend), got {mask_expr.type}; "
-                              "a mod that changes scores is a score_mod")
+            raise AttnccError(f"mask_mod must return a bool (True = attend), got {mask_expr.type}; a mod that "
+                              "computes scores is a score_mod (pass it as score_mod=), and a mask returns a "
+                              "comparison such as q_idx >= kv_idx")
         if "score" in {n.op for n in walk(mask_expr)}:
             raise AttnccError("mask_mod cannot read the score; use score_mod for score-dependent masking")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from . import __version__, config, printer
+from .log import logger
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import KV, Q, SCORE
@@ -153,10 +154,13 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False) -> Tiles:
     """Tile shape, warps and pipeline depth for one kernel function on a target; each level of
     ``spec.shrink`` drops a pipeline stage, then halves the streamed tile."""
     t = _base_tiles(fn, spec)
+    why = ("interpreter default" if spec.target == "interpreter" else
+           "ATTNCC_TILES override" if config.tile_overrides().get(fn) else "default table")
     if sparse and fn == "attn_fwd" and spec.target != "interpreter" and spec.dtype != "float32" and t.block_n == 128:
         # data-dependent masks: smaller tiles waste less on partial tiles (H200, document mask:
         # 1.10-1.21x FlexAttention with 64x64 against 0.94-0.98x with 128x128)
         t = Tiles(64, 64, 4, 3)
+        why += ", then 64x64 for a data-dependent mask"
     for _ in range(spec.shrink):
         if t.num_stages > 1:
             t = Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages - 1)
@@ -164,6 +168,10 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False) -> Tiles:
             t = Tiles(t.block_m // 2, t.block_n, t.num_warps, t.num_stages)
         elif t.block_n > 32:
             t = Tiles(t.block_m, t.block_n // 2, t.num_warps, t.num_stages)
+    if spec.shrink:
+        why += f", shrunk {spec.shrink} level(s) after running out of shared memory"
+    logger.debug("tiles of %s (%s, head dim %d/%d, %s): %dx%d, num_warps=%d, num_stages=%d (%s)", fn, spec.dtype,
+                 spec.head_dim, spec.head_dim_v, spec.target, t.block_m, t.block_n, t.num_warps, t.num_stages, why)
     return t
 
 

@@ -65,6 +65,43 @@ def load(path: Path, interpret: bool):
     return module
 
 
+_launched: set = set()  # names of generated modules whose kernels have run once in this process
+
+
+def launch(module, *args, **kwargs):
+    """``module.launch(...)``. Triton compiles a module's kernels on their first launch, so that
+    launch is timed and logged (INFO); later launches of the module are not timed. Triton's
+    failure to compile or interpret generated code (never the user's inputs, which attncc checks
+    before it generates anything) becomes a RuntimeError naming the file."""
+    name = module.__name__.rpartition(".")[2]
+    try:
+        if name in _launched:
+            return module.launch(*args, **kwargs)
+        start = time.perf_counter()
+        result = module.launch(*args, **kwargs)
+    except Exception as e:
+        import triton.errors
+        if not isinstance(e, triton.errors.TritonError) or type(e).__name__ == "OutOfResources":
+            raise  # out of resources: autograd.with_fallback retries with smaller tiles
+        try:
+            first = (str(e).strip().splitlines() or [""])[-1]
+        except Exception:  # an exception whose __str__ fails
+            first = repr(e)
+        raise RuntimeError(
+            f"Triton could not {'run' if name.endswith('_interp') else 'compile'} the generated kernel file "
+            f"{getattr(module, '__file__', name)} ({type(e).__name__}: {first}). This is a bug in attncc "
+            "(or an edit to that file in the kernel cache); please report it with the file and the mods.") from e
+    _launched.add(name)
+    seconds = time.perf_counter() - start
+    fns = ", ".join(getattr(module, "TILES", {})) or "kernels"
+    if name.endswith("_interp"):
+        logger.info("first launch of %s (%s) in %.2f s in the Triton interpreter (nothing to compile)",
+                    name, fns, seconds)
+    else:
+        logger.info("compiled %s (%s) in %.2f s (first launch: Triton compile + launch)", name, fns, seconds)
+    return result
+
+
 def _like_query_layout(q: torch.Tensor, dv: int, dtype) -> torch.Tensor:
     """Output (B, H, L, Dv) in the memory order of q: a transposed (B, L, H, D) q gets a
     transposed (B, L, H, Dv) output, so a following .transpose(1, 2) is free."""
@@ -85,11 +122,11 @@ def forward(module, q, k, v, captures, scale, interpret: bool, rng=(), blocks=No
         # The interpreter computes on bf16's raw bits; run in float32 and round once at the end.
         q, k, v = q.float(), k.float(), v.float()
         tmp = _like_query_layout(q, v.shape[-1], torch.float32)
-        module.launch(q, k, v, tmp, lse, interp_captures(captures), scale, *rng, blocks=blocks)
+        launch(module, q, k, v, tmp, lse, interp_captures(captures), scale, *rng, blocks=blocks)
         out.copy_(tmp)
         return out, lse
-    module.launch(q, k, v, out, lse, interp_captures(captures) if interpret else captures, scale, *rng,
-                  blocks=blocks)
+    launch(module, q, k, v, out, lse, interp_captures(captures) if interpret else captures, scale, *rng,
+           blocks=blocks)
     return out, lse
 
 
@@ -116,9 +153,9 @@ def backward(module, q, k, v, out, lse, dout, dlse, captures, learnable, scale, 
             # The interpreter computes on bf16's raw bits: run in float32, round once at the end.
             f = [t.float() for t in (q, k, v, out, dout)]
             g = [torch.empty_like(t) for t in f[:3]]
-            module.launch(*f[:4], lse, f[4], dlse, *g, captures, dcaps, scale, *rng, blocks=blocks)
+            launch(module, *f[:4], lse, f[4], dlse, *g, captures, dcaps, scale, *rng, blocks=blocks)
             return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), _float_grads(dcaps)
-    module.launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale, *rng, blocks=blocks)
+    launch(module, q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaps, scale, *rng, blocks=blocks)
     return dq, dk, dv, _float_grads(dcaps)
 
 

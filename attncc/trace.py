@@ -118,20 +118,27 @@ class _ControlFlowError(ModTraceError):
     """Python control flow on a traced value. The message (which reads source lines) is built
     only when shown: torch probes proxies with len() while indexing and discards the error."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, fix: str | None = None):
         super().__init__(what)
-        self.what, self.mod, self.frame = what, _mod_name(), inspect.currentframe().f_back
+        self.what, self.fix, self.mod, self.frame = what, fix, _mod_name(), inspect.currentframe().f_back
 
     def __str__(self):
         return (f"{self.mod} uses {self.what} on a traced value at {_user_line(self.frame)}\n"
-                "Mods are traced once and run elementwise inside the kernel, so Python control flow "
-                "cannot depend on score, b, h, q_idx or kv_idx. Use torch.where(cond, a, b) instead of "
-                "if/else, `&` and `|` instead of `and`/`or`, `~` instead of `not`, and unroll loops over "
-                "Python constants.")
+                + (self.fix or
+                   "Mods are traced once and run elementwise inside the kernel, so Python control flow "
+                   "cannot depend on score, b, h, q_idx or kv_idx. Use torch.where(cond, a, b) instead of "
+                   "if/else, `&` and `|` instead of `and`/`or`, `~` instead of `not`, torch.maximum / "
+                   "torch.minimum instead of max() / min(), and unroll loops over Python constants."))
 
 
-def _control_flow_error(what: str):
-    raise _ControlFlowError(what)
+def _control_flow_error(what: str, fix: str | None = None):
+    raise _ControlFlowError(what, fix)
+
+
+def _located(e: AttnccError) -> AttnccError:
+    """``e`` with the mod's name and the user's line in front (for errors of the IR constructors,
+    which know neither)."""
+    return AttnccError(f"{e}\n  in {_mod_name()} at {_user_line()}")
 
 
 def _node(x):
@@ -149,7 +156,7 @@ def _node(x):
             "mods work on one score at a time: index it, e.g. bias[h, q_idx, kv_idx]")
     if isinstance(x, (bool, int, float)):
         return ir.const(x)
-    if hasattr(x, "item") and hasattr(x, "dtype"):  # numpy scalars
+    if hasattr(x, "item") and hasattr(x, "dtype") and getattr(x, "shape", ()) == ():  # numpy scalars
         return ir.const(x.item())
     raise AttnccError(f"{_mod_name()} uses a value of type {type(x).__name__} at {_user_line()}; "
                       "mods may use traced values, Python numbers and captured torch tensors")
@@ -176,7 +183,11 @@ def _index(tensor: torch.Tensor, index):
                           f"indices at {_user_line()}")
     if len(idx) < tensor.dim():
         return _PartialIndex(tensor, idx)
-    return Proxy(ir.load(_capture(tensor), *[_node(i) for i in idx]))
+    nodes = [_node(i) for i in idx]
+    try:
+        return Proxy(ir.load(_capture(tensor), *nodes))
+    except AttnccError as e:
+        raise _located(e) from None
 
 
 class _PartialIndex:
@@ -214,10 +225,15 @@ class Proxy:
         if key in ("to", "type_as"):
             return _wrap(builder(_node(args[0]), *args[1:], **kwargs))
         conv = lambda v: v if v is None or isinstance(v, str) else _node(v)
+        args, kwargs = [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}
         try:
-            return _wrap(builder(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()}))
+            return _wrap(builder(*args, **kwargs))
         except TypeError as e:
             raise AttnccError(f"{_mod_name()}: unsupported arguments to `{name}` at {_user_line()}: {e}") from None
+        except AttnccError as e:
+            if type(e) is not AttnccError:
+                raise
+            raise _located(e) from None
 
     def _op(name):
         def method(self, *args, **kwargs):
@@ -243,7 +259,18 @@ class Proxy:
     def __index__(self):
         _control_flow_error("a Python index, range() or int()")
 
-    __int__ = __float__ = __index__
+    __int__ = __index__
+
+    def __float__(self):
+        _control_flow_error("float() or a `math` function", "Python's float() and the math module need a number, "
+                            "but a mod's arguments are traced: use the torch functions (torch.exp, torch.log, "
+                            "torch.sqrt, torch.tanh, ...) and x.float() for a conversion.")
+
+    def __round__(self, ndigits=None):
+        _control_flow_error("round()", "use torch.floor(x + 0.5) to round a traced value.")
+
+    def __complex__(self):
+        _control_flow_error("complex()", "attncc mods compute with real numbers only.")
 
     def __iter__(self):
         _control_flow_error("iteration")
@@ -256,6 +283,9 @@ class Proxy:
                           "tensors can be indexed")
 
     def __getattr__(self, name):
+        if name.startswith("__array"):
+            raise AttnccError(f"{_mod_name()} passes a traced value to NumPy at {_user_line()}; mods are traced "
+                              f"through torch: use the torch function instead. Supported: {', '.join(SUPPORTED)}")
         raise AttnccError(
             f"{_mod_name()} reads `.{name}` of a traced value at {_user_line()}; inside a mod each "
             f"argument is a single scalar. Supported: {', '.join(SUPPORTED)}")
@@ -310,16 +340,34 @@ def trace(fn, kind: str) -> ir.Node:
     _captured_names.update(_name_captures(fn))
     try:
         out = fn(*[Proxy(n) for n in leaves])
-        if out is None:
-            raise AttnccError(f"{kind} {_mod_name()} returned None; did you forget `return`?")
-        if isinstance(out, torch.Tensor) and out.dim() > 0:
-            raise AttnccError(f"{kind} {_mod_name()} returned a tensor of shape {tuple(out.shape)}; "
-                              "it must return a scalar expression")
+        _check_result(out, kind)
         node = _node(out)
     finally:
         _Tracing.mod = previous
         _captured_names.clear()
     return _checked(node, kind)
+
+
+def _check_result(out, kind: str) -> None:
+    """A mod returns one value: a traced expression, a Python number or bool, or a 0-d tensor."""
+    what = "a bool expression (e.g. q_idx >= kv_idx)" if kind == "mask_mod" else \
+        "the modified score (e.g. score + bias[h])"
+    if out is None:
+        raise AttnccError(f"{kind} {_mod_name()} returned None; did you forget `return`? It must return {what}")
+    if isinstance(out, (Proxy, ir.Node, bool, int, float, _PartialIndex)):
+        return
+    if isinstance(out, torch.Tensor):
+        if out.dim() > 0:
+            raise AttnccError(f"{kind} {_mod_name()} returned a tensor of shape {tuple(out.shape)}; it must return "
+                              f"a scalar expression: {what}; index captured tensors with the mod's arguments")
+        return
+    if hasattr(out, "dtype") and getattr(out, "shape", None) == ():  # numpy scalar
+        return
+    shown = repr(out)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    hint = " (return one value, not several)" if isinstance(out, (tuple, list)) else ""
+    raise AttnccError(f"{kind} {_mod_name()} returned a {type(out).__name__} ({shown}){hint}; it must return "
+                      f"{what}, built from its arguments with operators and torch functions, or a Python number")
 
 
 def _checked(node: ir.Node, kind: str) -> ir.Node:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -9,8 +10,9 @@ import sympy as sp
 
 from . import ir
 from .errors import AttnccError
+from .log import logger
 from .passes import facts as facts_pass
-from .passes import symbolic
+from .passes import ranges, symbolic
 from .trace import trace
 
 
@@ -26,16 +28,38 @@ class Analysis:
 
 def _check_dropout(p) -> float:
     if not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
-        raise AttnccError(f"dropout_p must be a number in [0, 1), got {p!r}")
+        raise AttnccError(f"dropout_p must be a number in [0, 1), got {p!r}; it is the probability of "
+                          "dropping an attention weight (0.0 turns dropout off)")
     return float(p)
 
 
 def check_scale(scale):
+    """``scale`` as a float (None stays None: 1/sqrt(head_dim) at call time); AttnccError unless
+    it is a finite Python number."""
     if scale is None:
         return None
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise AttnccError(f"scale must be a finite Python number (or None for 1/sqrt(head_dim)), got {scale!r}")
     return float(scale)
+
+
+def _simplified(root: ir.Node, capture_index: dict) -> sp.Basic:
+    try:
+        return symbolic.canonicalize(symbolic.to_sympy(root, capture_index))
+    except ZeroDivisionError:  # sympy's Mod(x, 0)
+        return sp.zoo
+
+
+def _divides_by_zero(e) -> bool:
+    """The simplified expression holds a division by zero: 1/0 (zoo), 0/0 (nan) or an integer
+    division or remainder by 0 that sympy keeps whole."""
+    if e is sp.zoo or e is sp.nan:
+        return True
+    if not isinstance(e, sp.Basic):
+        return False
+    if e.has(sp.zoo, sp.nan):
+        return True
+    return any(n.args[1] == 0 for n in e.atoms(symbolic.floordiv, symbolic.intdiv, sp.Mod))
 
 
 def _name_of(fn) -> str | None:
@@ -54,6 +78,11 @@ class Variant:
     defaults to 1/sqrt(head_dim). ``dropout_p`` applies in training calls (``training=False``
     turns it off); ``deterministic=True`` makes gradients bitwise reproducible (the default dQ
     kernel already is; it forbids the atomic dQ path).
+
+    Construction traces the mods and checks everything that needs no inputs: the mods' arity,
+    return types and the operations they use (AttnccError, ModTraceError for Python control flow
+    on traced values), a finite ``scale`` and ``dropout_p`` in [0, 1). Shapes, dtypes, devices
+    and captured-tensor index ranges are checked per call (``attncc.checks``).
     """
 
     def __init__(self, score_mod=None, mask_mod=None, *, scale=None, dropout_p=0.0, name=None,
@@ -67,21 +96,40 @@ class Variant:
         self.captures = ir.captures(self.score_ir, self.mask_ir)
         parts = [n for n in (_name_of(score_mod), _name_of(mask_mod)) if n]
         self.name = name or "+".join(parts) or ("full" if score_mod is None and mask_mod is None else "variant")
+        self.index_checked: set = set()  # (lengths, mode, capture shapes) that passed the index check
 
     @cached_property
     def ir_key(self) -> str:
+        """Canonical text of the traced IR: variants with equal keys share kernels, whichever
+        tensors they capture (captures are named by order of appearance)."""
         return ir.canonical_key(self.score_ir, self.mask_ir)
 
     @cached_property
+    def index_sites(self) -> tuple:
+        """Every captured-tensor index the kernels read unconditionally, classified by how it is
+        checked against the tensor's shape per call (``attncc.passes.ranges``)."""
+        return ranges.index_sites((self.score_ir, self.mask_ir), self.captures)
+
+    @cached_property
     def analysis(self) -> Analysis:
+        """The sympy passes' results (simplified expressions, derived facts, canonical key); run
+        once, on the first kernel this variant generates."""
+        start = time.perf_counter()
         index = {c: i for i, c in enumerate(self.captures)}
-        score = symbolic.canonicalize(symbolic.to_sympy(self.score_ir, index))
-        mask = sp.true if self.mask_ir is None else symbolic.canonicalize(symbolic.to_sympy(self.mask_ir, index))
+        score = _simplified(self.score_ir, index)
+        mask = sp.true if self.mask_ir is None else _simplified(self.mask_ir, index)
+        for kind, e, src in (("score_mod", score, self.score_ir), ("mask_mod", mask, self.mask_ir)):
+            if src is not None and _divides_by_zero(e):
+                raise AttnccError(f"{kind} divides by an expression that is always 0: {ir.to_text(src)}; "
+                                  "a mod must divide by non-zero values")
         caps = tuple((c.ndim, c.kind) for c in self.captures)
         key = f"score={symbolic.canonical(score)}|mask={symbolic.canonical(mask)}|caps={caps}"
-        return Analysis(score, mask, facts_pass.derive(score, mask), caps, key)
+        result = Analysis(score, mask, facts_pass.derive(score, mask), caps, key)
+        logger.info("analysed variant %r (sympy passes) in %.0f ms", self.name, 1e3 * (time.perf_counter() - start))
+        return result
 
     def capture_names(self) -> dict:
+        """{Capture: 'capN'}: the names the kernels and explain() give the captured tensors."""
         return {c: f"cap{i}" for i, c in enumerate(self.captures)}
 
     def __repr__(self):

@@ -7,7 +7,7 @@ import torch
 
 import attncc
 from attncc import ir
-from conftest import randn_qkv
+from conftest import check, randn_qkv
 
 
 def qkv(B=1, Hq=2, Hkv=2, Lq=8, Lkv=8, D=16, Dv=None, dtype=torch.float32):
@@ -377,3 +377,308 @@ def test_reference_dropout_needs_the_mask():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="dropout_mask"):
         attncc.reference.attention(q, k, v, dropout_p=0.1)
+
+
+# ----------------------------------------------------------------------------------------------
+# What a mod returns, and Python a mod cannot use
+
+
+@pytest.mark.parametrize("result,shown", [("abc", r"a str \('abc'\)"), ((1.0, 2.0), r"a tuple \(\(1.0, 2.0\)\) \(return one value"),
+                                          ([1.0], r"a list \(\[1.0\]\) \(return one value"),
+                                          (1j, r"a complex \(1j\)")])
+def test_mod_returning_a_value_of_the_wrong_type(result, shown):
+    def wrong_type(score, b, h, q_idx, kv_idx):
+        return result
+    with pytest.raises(attncc.AttnccError, match=rf"score_mod \S*wrong_type returned {shown}.*it must return the modified "
+                                                 r"score \(e\.g\. score \+ bias\[h\]\)"):
+        attncc.Variant(wrong_type)
+
+
+def test_mod_returning_a_numpy_array():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(attncc.AttnccError, match=r"mask_mod \S+ returned a ndarray .*a bool expression \(e\.g\. q_idx >= kv_idx\)"):
+        attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: np.ones(3, dtype=bool))
+
+
+def test_mod_returning_a_constant_is_fine():
+    assert attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: True).mask_ir == ir.const(True)
+    assert attncc.Variant(lambda score, b, h, q_idx, kv_idx: 2).score_ir == ir.cast(2, ir.FLOAT)
+
+
+def test_mask_mod_returning_an_int_says_how_to_convert():
+    with pytest.raises(attncc.AttnccError, match=r"got int; compare it \(`x != 0`\) or convert it with \.bool\(\)"):
+        attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx).int())
+
+
+def test_mask_mod_returning_a_float_points_to_score_mod():
+    with pytest.raises(attncc.AttnccError, match=r"got float; a mod that computes scores is a score_mod \(pass it as score_mod=\)"):
+        attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: torch.where(q_idx >= kv_idx, 0.0, float("-inf")))
+
+
+def test_math_functions_on_traced_values():
+    import math
+
+    def with_math(score, b, h, q_idx, kv_idx):
+        return score * math.exp(-q_idx)
+    with pytest.raises(attncc.ModTraceError, match=r"(?s)with_math uses float\(\) or a `math` function on a traced value at "
+                                                   r".*math\.exp\(-q_idx\).*use the torch functions \(torch\.exp"):
+        attncc.Variant(with_math)
+
+
+def test_round_and_python_max_on_traced_values():
+    with pytest.raises(attncc.ModTraceError, match=r"(?s)uses round\(\).*torch\.floor\(x \+ 0\.5\)"):
+        attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + round(score))
+    with pytest.raises(attncc.ModTraceError, match=r"(?s)max\(score, 0\.0\).*torch\.maximum / torch\.minimum instead of max\(\) / min\(\)"):
+        attncc.Variant(lambda score, b, h, q_idx, kv_idx: max(score, 0.0))
+
+
+def test_numpy_functions_on_traced_values():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(attncc.AttnccError, match=r"passes a traced value to NumPy at .*np\.exp\(score\).*use the torch function"):
+        attncc.Variant(lambda score, b, h, q_idx, kv_idx: np.exp(score))
+
+
+def test_ir_errors_inside_a_mod_name_the_mod_and_line():
+    bias = torch.randn(16)
+
+    def half_index(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx / 2]
+    with pytest.raises(attncc.AttnccError) as info:
+        attncc.Variant(half_index)
+    msg = str(info.value)
+    assert msg.startswith("a captured tensor index must be an integer expression, got float")
+    assert "in test_ir_errors_inside_a_mod_name_the_mod_and_line.<locals>.half_index at " in msg
+    assert "return score + bias[q_idx / 2]" in msg
+
+
+@pytest.mark.parametrize("mod,text", [
+    (lambda score, b, h, q_idx, kv_idx: score / 0, r"score / 0 divides by zero"),
+    (lambda score, b, h, q_idx, kv_idx: score + q_idx // 0, r"q_idx // 0 divides by zero"),
+    (lambda score, b, h, q_idx, kv_idx: score + q_idx % 0, r"q_idx % 0 divides by zero"),
+    (lambda score, b, h, q_idx, kv_idx: score + 1 / (q_idx - q_idx), r"score_mod divides by an expression that is always 0"),
+    (lambda score, b, h, q_idx, kv_idx: score + q_idx // (kv_idx - kv_idx), r"divides by an expression that is always 0"),
+])
+def test_division_by_zero(mod, text):
+    """Caught before codegen: sympy would turn it into zoo, which no kernel can hold."""
+    with pytest.raises(attncc.AttnccError, match=text):
+        attncc.Variant(mod).analysis
+
+
+# ----------------------------------------------------------------------------------------------
+# Captured tensors: dtypes, layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_capture_dtypes_the_kernels_cannot_read(dtype):
+    table = torch.zeros(8).to(dtype)
+    with pytest.raises(attncc.AttnccError, match=rf"captured tensor of shape \(8,\) has dtype {dtype}, which the kernels "
+                                                 r"cannot read; supported: bool, int8/16/32/64, uint8/16, float16, "
+                                                 r"bfloat16, float32, float64\. Convert it first"):
+        attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + table[kv_idx].float())
+
+
+def test_captures_of_other_dtypes_than_the_inputs_are_read_and_converted():
+    """A float64 bias for float16 inputs, an int16 table and a uint8 mask: read and converted in
+    the kernel (float32 / int32 / bool), equal to the reference."""
+    torch.manual_seed(3)
+    bias = torch.randn(12, dtype=torch.float64)
+    shift = torch.randint(0, 3, (2,), dtype=torch.int16)
+    allowed = (torch.rand(12, 12) > 0.2).to(torch.uint8)
+    allowed.fill_diagonal_(1)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx] * (shift[h] + 1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed[q_idx, kv_idx] != 0
+    q, k, v = randn_qkv(1, 2, 2, 12, 12, 16, dtype=torch.float16)
+    check(q, k, v, score_mod, mask_mod)
+
+
+def test_sparse_capture():
+    from attncc import checks
+    table = torch.eye(4).to_sparse()
+    variant = attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + table[q_idx, kv_idx])
+    with pytest.raises(attncc.AttnccError, match=r"has layout torch.sparse_coo; .*capture t\.to_dense\(\) instead"):
+        checks.check_captures(variant.captures, torch.device("cpu"))
+
+
+def test_triton_failures_on_generated_code_name_the_file():
+    """Triton rejecting generated code is attncc's bug: a RuntimeError names the kernel file (the
+    Triton error is chained, for the report); out-of-resources errors pass through unchanged."""
+    import types
+
+    from attncc import runtime
+    runtime.target_for(torch.device("cpu"))  # attncc imports triton first: CPU tensors need its interpreter
+    from triton.runtime.errors import InterpreterError, OutOfResources
+
+    def module(err):
+        m = types.ModuleType("attncc_generated.fwd_broken_interp")
+        m.__file__ = "/cache/fwd_broken.py"
+
+        def launch(*args, **kwargs):
+            raise err
+        m.launch = launch
+        return m
+    with pytest.raises(RuntimeError, match=r"Triton could not run the generated kernel file /cache/fwd_broken\.py "
+                                           r"\(InterpreterError: .*name 'zoo' is not defined.*\)\. This is a bug in attncc") as info:
+        runtime.launch(module(InterpreterError(repr(NameError("name 'zoo' is not defined")))))
+    assert isinstance(info.value.__cause__, InterpreterError)
+    with pytest.raises(OutOfResources):
+        runtime.launch(module(OutOfResources(232448, 101376, "shared memory")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Captured tensors too small for their indices (attncc.checks.check_capture_indices)
+
+
+def check_indices(mod, B=2, Hq=8, Lq=16, Lkv=20, mask=False):
+    from attncc import checks
+    variant = attncc.Variant(**{"mask_mod" if mask else "score_mod": mod})
+    q, k, _ = randn_qkv(B, Hq, Hq, Lq, Lkv, 16)
+    checks.check_capture_indices(variant, q, k)
+    return variant
+
+
+@pytest.mark.parametrize("leaf,size,runs", [("b", 1, "0..1"), ("h", 4, "0..7"), ("q_idx", 10, "0..15"),
+                                            ("kv_idx", 16, "0..19")])
+def test_capture_too_small_for_a_plain_index(leaf, size, runs):
+    table = torch.randn(size)
+    mods = {"b": lambda score, b, h, q_idx, kv_idx: score + table[b],
+            "h": lambda score, b, h, q_idx, kv_idx: score + table[h],
+            "q_idx": lambda score, b, h, q_idx, kv_idx: score + table[q_idx],
+            "kv_idx": lambda score, b, h, q_idx, kv_idx: score + table[kv_idx]}
+    hi = int(runs.split("..")[1])
+    with pytest.raises(attncc.AttnccError, match=(
+            rf"captured tensor `table` of shape \({size},\) is too small for its index `{leaf}` in dimension 0: "
+            rf"{leaf} runs over {runs} in this call \(B=2, Hq=8, Lq=16, Lkv=20\), but the dimension has {size} "
+            rf"entries\. Give it {hi + 1} entries, one per {leaf}, or bound the index \(e\.g\. "
+            rf"torch\.clamp\({leaf}, max={size - 1}\)\)")):
+        check_indices(mods[leaf])
+    table = torch.randn(hi + 1)
+    check_indices(mods[leaf])  # large enough
+
+
+def test_capture_too_small_in_a_later_dimension_of_a_mask():
+    doc_pairs = torch.ones(16, 12, dtype=torch.bool)
+    with pytest.raises(attncc.AttnccError, match=r"`doc_pairs` of shape \(16, 12\) is too small for its index `kv_idx` "
+                                                 r"in dimension 1: kv_idx runs over 0..19"):
+        check_indices(lambda b, h, q_idx, kv_idx: doc_pairs[q_idx, kv_idx], mask=True)
+
+
+def test_capture_too_small_for_a_clamped_index():
+    """Relative-position buckets: the mod bounds the index to [0, 2W], so the table needs 2W + 1 columns."""
+    W = 4
+    table = torch.randn(8, 2 * W)
+
+    def clamped(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx - q_idx, -W, W) + W]
+    with pytest.raises(attncc.AttnccError, match=r"`table` of shape \(8, 8\) is too small for its index `.*` in dimension 1: "
+                                                 r"the index reaches 8 in this call .*has 8 entries \(0..7\)\. Give it at least 9"):
+        check_indices(clamped)
+    table = torch.randn(8, 2 * W + 1)
+    check_indices(clamped)
+    table = torch.randn(8, W + 1)
+    check_indices(clamped, Lq=1, Lkv=1)  # the range at this call's lengths counts: only index W is read
+
+
+def test_negative_clamped_index():
+    W = 3
+    table = torch.randn(2 * W + 1)
+    with pytest.raises(attncc.AttnccError, match=r"the index goes down to -3 in this call .* attncc reads 0 at negative "
+                                                 r"indices, where PyTorch indexing would wrap around to the end: add 3"):
+        check_indices(lambda score, b, h, q_idx, kv_idx: score + table[torch.clamp(kv_idx - q_idx, -W, W)])
+
+
+@pytest.mark.parametrize("index", ["mod", "and"])
+def test_capture_too_small_for_a_modulo_index(index):
+    period = torch.randn(10)
+    mods = {"mod": lambda score, b, h, q_idx, kv_idx: score + period[kv_idx % 12],
+            "and": lambda score, b, h, q_idx, kv_idx: score + period[kv_idx & 11]}
+    with pytest.raises(attncc.AttnccError, match=r"the index reaches 11 in this call .*has 10 entries"):
+        check_indices(mods[index])
+
+
+def test_shifted_indices_read_zero_unless_asked(monkeypatch):
+    """kv_idx - 5 reads 0 outside the tensor by design (padding); ATTNCC_INDEX_CHECK=all checks
+    the upper end of such indices, never their lower end (often negative under a causal mask)."""
+    bias = torch.randn(12)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx - 5]
+    check_indices(shifted)
+    monkeypatch.setenv("ATTNCC_INDEX_CHECK", "all")
+    with pytest.raises(attncc.AttnccError, match=r"the index reaches 14 in this call .*has 12 entries.*"
+                                                 r"\(Shifted indices are checked because ATTNCC_INDEX_CHECK=all\.\)"):
+        check_indices(shifted)
+    bias = torch.randn(15)
+    check_indices(shifted)  # reaches 14; the negative lower end is not an error
+
+
+def test_index_check_off_and_unknown_modes(monkeypatch):
+    slopes = torch.randn(2)
+    alibi = lambda score, b, h, q_idx, kv_idx: score + slopes[h]  # noqa: E731
+    monkeypatch.setenv("ATTNCC_INDEX_CHECK", "off")
+    check_indices(alibi)
+    monkeypatch.setenv("ATTNCC_INDEX_CHECK", "strict")
+    with pytest.raises(attncc.AttnccError, match="ATTNCC_INDEX_CHECK='strict' is not one of plain, all, off"):
+        check_indices(alibi)
+
+
+def test_indices_not_checked():
+    """Data-dependent indices (the values of a captured tensor), loads a torch.where branch may
+    guard, and calls with an empty axis (nothing is read) are not checked."""
+    doc_ids = torch.zeros(16, dtype=torch.long)
+    per_doc = torch.randn(1)
+    slopes = torch.randn(4)
+    check_indices(lambda score, b, h, q_idx, kv_idx: score + per_doc[doc_ids[q_idx]])  # doc_ids[q_idx] itself fits
+    check_indices(lambda score, b, h, q_idx, kv_idx: torch.where(h < 4, score * slopes[h], score))
+    check_indices(lambda score, b, h, q_idx, kv_idx: score + slopes[h], Lq=0)
+
+
+def test_index_check_is_cached_per_shape(monkeypatch):
+    from attncc import checks
+    slopes = torch.randn(8)
+    variant = check_indices(lambda score, b, h, q_idx, kv_idx: score + slopes[h])
+    assert [s.kind for s in variant.index_sites] == ["axis"]
+    calls = []
+    monkeypatch.setattr(checks, "interval", lambda *a: calls.append(a) or (0, 0))
+    q, k, _ = randn_qkv(2, 8, 8, 16, 20, 16)
+    checks.check_capture_indices(variant, q, k)
+    assert calls == []  # these lengths and capture shapes passed before
+    q, k, _ = randn_qkv(2, 8, 8, 17, 20, 16)
+    checks.check_capture_indices(variant, q, k)
+    assert len(calls) == 1
+
+
+def test_index_check_with_ir_written_variant():
+    slopes = torch.randn(4)
+    from attncc import checks
+    variant = attncc.Variant(ir.score + ir.load(slopes, ir.h))
+    q, k, _ = randn_qkv(1, 6, 6, 4, 4, 16)
+    with pytest.raises(attncc.AttnccError, match=r"captured tensor cap0 of shape \(4,\) is too small for its index `h`"):
+        checks.check_capture_indices(variant, q, k)
+
+
+def test_index_check_for_offset_positions():
+    """check_index_ranges takes the positions directly (a KV cache's queries sit after its earlier tokens)."""
+    from attncc import checks
+    bias = torch.randn(64)
+    variant = attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + bias[q_idx])
+    checks.check_index_ranges(variant, {"b": (0, 0), "h": (0, 3), "q_idx": (60, 63), "kv_idx": (0, 63)})
+    with pytest.raises(attncc.AttnccError, match=r"q_idx runs over 60..64 in this call \(b in 0..0, h in 0..3, q_idx in 60..64"):
+        checks.check_index_ranges(variant, {"b": (0, 0), "h": (0, 3), "q_idx": (60, 64), "kv_idx": (0, 64)})
+
+
+@pytest.mark.xfail(strict=True, reason="CompiledAttention.__call__ (attncc.autograd.attend) does not call "
+                                       "checks.check_capture_indices yet; remove this marker when it does")
+def test_capture_too_small_through_attention():
+    slopes = torch.randn(2)
+    q, k, v = qkv(Hq=4, Hkv=4)
+    with pytest.raises(attncc.AttnccError, match=r"`slopes` of shape \(2,\) is too small for its index `h`"):
+        attncc.attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score + slopes[h])
+
+
+def test_division_by_zero_in_a_mask_mod():
+    with pytest.raises(attncc.AttnccError, match=r"mask_mod divides by an expression that is always 0"):
+        attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: q_idx % (kv_idx - kv_idx) == 0).analysis
