@@ -8,7 +8,7 @@ import jinja2
 
 from .plan import KernelPlan
 
-TEMPLATES = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja"}
+TEMPLATES = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja", "kv": "attn_kv.py.jinja"}
 
 
 def template_dir() -> Path:

@@ -1,6 +1,7 @@
 """KernelPlan: the one frozen object a template sees, built from a variant's analysis and a Spec."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import sympy as sp
@@ -9,7 +10,7 @@ from . import __version__, config, printer
 from .log import logger
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
-from .passes.symbolic import KV, Q, SCORE
+from .passes.symbolic import H, KV, Q, SCORE
 from .variant import Analysis
 
 # the outer tile's first and last index, as the kernels name them
@@ -130,6 +131,7 @@ class KernelPlan:
     atomic_dq: bool = False  # bwd: dq by atomic adds from the dK/dV kernel instead of its own kernel
     dropout: bool = False     # the Philox dropout mask is compiled in
     deterministic: bool = False  # capture gradients accumulate as int64 fixed point (bitwise reproducible)
+    split_d: tuple = (16, 0)  # kv: the head dim in two power-of-two pieces (split_dim)
 
     @property
     def runtime_ints(self):
@@ -148,6 +150,15 @@ class KernelPlan:
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
+
+
+def split_dim(n: int) -> tuple:
+    """A head dim as two power-of-two pieces (the second 0 when one suffices): 576 -> (512, 64),
+    80 -> (64, 16); the inference kernel loads and dots them separately instead of padding."""
+    if n <= 16 or n & (n - 1) == 0:
+        return _pow2(n), 0
+    first = 1 << (n.bit_length() - 1)
+    return first, _pow2(n - first)
 
 
 def choose_tiles(fn: str, spec: Spec, sparse: bool = False) -> Tiles:
@@ -180,8 +191,15 @@ def _base_tiles(fn: str, spec: Spec) -> Tiles:
     if override and spec.target != "interpreter":
         return Tiles(*override)
     if spec.target == "interpreter":
-        return Tiles(32, 32, 1, 1)  # small tiles keep several tiles and ragged edges in tests
+        # small tiles keep several tiles and ragged edges in tests
+        return Tiles(16, 32, 1, 1) if fn == "attn_kv_decode" else Tiles(32, 32, 1, 1)
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
+    if fn in ("attn_kv", "attn_kv_decode"):  # inference; rows are (token, head) pairs of a GQA group
+        if d > 256:  # MLA: a 512-wide accumulator
+            return Tiles(16, 32, 4, 2) if fn == "attn_kv_decode" else Tiles(32, 32, 8, 2)
+        if fn == "attn_kv_decode":
+            return Tiles(16, 64 if d <= 128 else 32, 4, 3)
+        return Tiles(64, 64, 4, 3) if d <= 128 else Tiles(64, 32, 4, 2)
     if spec.dtype == "float32":
         return Tiles(64, 32, 4, 2) if d <= 128 else Tiles(32, 32, 4, 1)
     # measured on an H200 with benchmarks/tile_sweep.py (bf16, causal and full, N=4096)
@@ -240,6 +258,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     interp = spec.target == "interpreter"
     if kernel == "fwd":
         fns = {"attn_fwd": {KV}}
+    elif kernel == "kv":
+        fns = {"attn_kv": {KV}}
     else:
         derived = derive_pass.derive(analysis.score, spec.learnable)
         if not f.score_identity and derived.dscore != 1:
@@ -251,8 +271,14 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     tp = printer.TritonPrinter(cap_info, interp)
     mask = analysis.mask
     ranges = {"attn_fwd": (Q, KV, Q_LO, Q_HI), "attn_bwd_dq": (Q, KV, Q_LO, Q_HI),
-              "attn_bwd_dkdv": (KV, Q, KV_LO, KV_HI)}
+              "attn_bwd_dkdv": (KV, Q, KV_LO, KV_HI), "attn_kv": (Q, KV, Q_LO, Q_HI)}
     tile_bounds = {fn: _tile_range(mask, *ranges[fn], tp) for fn in fns if fn in ranges}
+    if "attn_kv" in fns and H in mask.free_symbols:
+        # the inference kernel's rows span the heads of a GQA group: bounds that depend on h
+        # would differ per row, so it visits every tile with the mask instead
+        tile_bounds["attn_kv"] = _tile_range(sp.true, Q, KV, Q_LO, Q_HI, tp)
+        tile_bounds["attn_kv"] = dataclasses.replace(tile_bounds["attn_kv"], full_empty=True,
+                                                     full_first=None, full_end=None, full_text="(none)")
     block_sparse = bool(f.captures_in_mask)
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
@@ -267,6 +293,13 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         score_text=str(analysis.score), mask_text=str(analysis.mask),
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
-        tiles={fn: choose_tiles(fn, spec, block_sparse) for fn in fns}, mods=mods, bounds=tile_bounds, grads=grads,
+        tiles={fn: choose_tiles(fn, spec, block_sparse) for fn in _tiled(fns)}, mods=mods, bounds=tile_bounds, grads=grads,
         atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
-        block_sparse=block_sparse, class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)))
+        split_d=split_dim(spec.head_dim),
+        block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)))
+
+
+def _tiled(fns) -> list:
+    """Kernel functions that get tiles: the inference kernel has a decoding shape too."""
+    return [g for fn in fns for g in ((fn, "attn_kv_decode") if fn == "attn_kv" else (fn,))]
+

@@ -84,10 +84,12 @@ def evaluate(root: ir.Node, env: dict, fdtype: torch.dtype, device) -> torch.Ten
 
 
 def attention_variant(variant: Variant, query, key, value, *, enable_gqa=False, return_lse=False,
-                      dropout_mask=None):
+                      dropout_mask=None, q_offset=0, b_offset=0):
     """Materialised attention for a Variant; dropout is applied only with an explicit keep-mask
-    (attncc.dropout_mask), scaling kept probabilities by 1 / (1 - dropout_p)."""
-    group = check_qkv(query, key, value, enable_gqa, dtypes=DTYPES + (torch.float64,))
+    (attncc.dropout_mask), scaling kept probabilities by 1 / (1 - dropout_p). The mods see
+    q_idx = q_offset + i (a KV cache's queries sit after its earlier tokens) and b = b_offset + i
+    (one sequence of a varlen batch at a time)."""
+    group = check_qkv(query, key, value, enable_gqa, dtypes=DTYPES + (torch.float64,), max_head_dim=1 << 16)
     B, H, Lq, D = query.shape
     Lkv = key.shape[2]
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -98,9 +100,9 @@ def attention_variant(variant: Variant, query, key, value, *, enable_gqa=False, 
     scale = variant.scale if variant.scale is not None else 1.0 / math.sqrt(D)
     env = {
         "score": (q @ k.transpose(-1, -2)) * scale,
-        "b": torch.arange(B, device=dev).view(B, 1, 1, 1),
+        "b": (b_offset + torch.arange(B, device=dev)).view(B, 1, 1, 1),
         "h": torch.arange(H, device=dev).view(1, H, 1, 1),
-        "q_idx": torch.arange(Lq, device=dev).view(1, 1, Lq, 1),
+        "q_idx": (q_offset + torch.arange(Lq, device=dev)).view(1, 1, Lq, 1),
         "kv_idx": torch.arange(Lkv, device=dev).view(1, 1, 1, Lkv),
     }
     s = evaluate(variant.score_ir, env, dtype, dev).expand(B, H, Lq, Lkv)
@@ -118,7 +120,7 @@ def attention_variant(variant: Variant, query, key, value, *, enable_gqa=False, 
 
 
 def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
-              return_lse=False, dropout_p=0.0, dropout_mask=None):
+              return_lse=False, dropout_p=0.0, dropout_mask=None, q_offset=0, b_offset=0):
     """Same signature as attncc.attention; computes the dense definition in PyTorch. With
     dropout_p > 0 pass the keep-mask to apply (attncc.dropout_mask gives the kernels' mask)."""
     if dropout_p and dropout_mask is None:
@@ -126,4 +128,5 @@ def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, e
                          "(attncc.dropout_mask(...) gives the one the kernels use)")
     variant = Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p)
     return attention_variant(variant, query, key, value, enable_gqa=enable_gqa, return_lse=return_lse,
-                             dropout_mask=dropout_mask if dropout_p else None)
+                             dropout_mask=dropout_mask if dropout_p else None, q_offset=q_offset,
+                             b_offset=b_offset)

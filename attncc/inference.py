@@ -1,0 +1,272 @@
+"""Inference entry points on the generated attn_kv kernel: decoding (split-KV), KV caches,
+ragged (varlen) batches, and merging partial attention results.
+
+Layouts follow FlashAttention's inference API: queries (batch, q_len, heads, dim) or packed
+(total, heads, dim) with ``cu_seqlens``; outputs in the layout of the queries; log-sum-exp with
+the output's shape minus its last dim. Queries are a sequence's newest tokens: query i of a
+sequence with q_len queries and kv_len keys sits at position kv_len - q_len + i.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import plan, runtime
+from .checks import DTYPES, check_captures, check_qkv
+from .errors import AttnccError
+from .kvcache import KV_LENS_CU, KV_LENS_FIXED, _Cache
+
+DECODE_MAX_Q = 16  # attncc.attention switches to the decode kernel up to this many queries ...
+DECODE_MIN_KV = 256  # ... when there are at least this many keys (and no gradient or dropout)
+MAX_HEAD_DIM, MAX_HEAD_DIM_V = 1024, 512  # the inference kernel splits D in two pieces; Dv is one accumulator
+_INTERPRETER_SMS = 4  # the interpreter has no SMs; pretend a few so split-KV runs in CPU tests
+
+
+CTAS_PER_SM = 4  # split-KV aims at this many programs per SM (decode_sweep.py measures it)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What a call needs besides its tensors, found once per (variant, dtype, dims, device)."""
+    module: object
+    group: int
+    sms: int
+    interpret: bool
+    dummy: torch.Tensor  # stands for absent int32 pointer arguments
+
+
+_setups: dict = {}
+
+
+def _setup(compiled, dtype, d, dv, group, device) -> _Setup:
+    key = (compiled.variant.ir_key, dtype, d, dv, group, device)
+    s = _setups.get(key)
+    if s is None:
+        target = runtime.target_for(device)
+        spec = plan.Spec(_DTYPE_NAMES[dtype], d, dv, group, target)
+        interpret = target == "interpreter"
+        sms = _INTERPRETER_SMS if interpret else torch.cuda.get_device_properties(device).multi_processor_count
+        s = _setups[key] = _Setup(compiled.module("kv", spec), group, sms, interpret,
+                                  torch.zeros(1, dtype=torch.int32, device=device))
+    return s
+
+
+def num_splits(programs: int, max_kv_len: int, block_n: int, sms: int) -> tuple:
+    """(splits, keys per split) for flash-decoding: about CTAS_PER_SM programs per SM, each
+    split keeping at least 4 key tiles (1 in the interpreter) so that merging stays cheap."""
+    min_tiles = 1 if sms == _INTERPRETER_SMS else 4
+    tiles = -(-max(max_kv_len, 1) // block_n)
+    splits = max(1, min(-(-CTAS_PER_SM * sms // max(programs, 1)), tiles // min_tiles, 256))
+    if splits == 1:
+        return 1, None
+    split_len = -(-tiles // splits) * block_n
+    return -(-max_kv_len // split_len), split_len
+
+
+def _packed4(t: torch.Tensor, batch: int, lead: int = 0) -> torch.Tensor:
+    """A packed (..., total, heads, dim) tensor as (..., batch, heads, total, dim), batch stride 0."""
+    t = t.unsqueeze(lead)
+    shape = list(t.shape)
+    shape[lead] = batch
+    return t.expand(shape).transpose(lead + 1, lead + 2)
+
+
+def _padded4(t: torch.Tensor, lead: int = 0) -> torch.Tensor:
+    """(..., batch, len, heads, dim) as (..., batch, heads, len, dim)."""
+    return t.transpose(lead + 1, lead + 2)
+
+
+def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None, kv_lens=None,
+        kv_mode=KV_LENS_FIXED, block_table=None, page_size=1, bottom_right=1, return_lse=False,
+        heads_last=True):
+    """Attention of a compiled variant through attn_kv. q: (B, Lq, H, D), packed (total, H, D), or
+    with heads_last=False (B, H, Lq, D); k4, v4: the kernel's 4-d key/value views."""
+    variant = compiled.variant  # inference: dropout never applies here
+    hq, d = (q.shape[-2], q.shape[-1]) if heads_last else (q.shape[1], q.shape[3])
+    hkv, dv = k4.shape[1], v4.shape[3]
+    if not (1 <= d <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM_V):
+        raise AttnccError(f"head dims {d} (query/key) and {dv} (value) must be at most {MAX_HEAD_DIM} and "
+                          f"{MAX_HEAD_DIM_V} for the inference kernel (MLA's 576/512 fit)")
+    if hq % hkv:
+        raise AttnccError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    s = _setup(compiled, q.dtype, d, dv, hq // hkv, q.device)
+    captures = [c.tensor for c in variant.captures]
+    scale = variant.scale if variant.scale is not None else 1.0 / math.sqrt(d)
+
+    out = q.new_empty(q.shape[:-1] + (dv,))
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if packed:
+        view, q4 = (lambda t, lead=0: _packed4(t, batch, lead)), _packed4(q, batch)
+    elif heads_last:
+        view, q4 = _padded4, _padded4(q)
+    else:
+        view, q4 = (lambda t, lead=0: t), q
+    if out.numel() == 0 or batch == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+
+    if s.interpret:  # the interpreter computes on bf16's raw bits: run in float32
+        q4, k4, v4 = (t.float() if t.dtype == torch.bfloat16 else t for t in (q4, k4, v4))
+        captures = runtime.interp_captures(captures)
+    rows = max_q_len * s.group
+    block_m, block_n = s.module.tiles(rows)[:2]
+    splits, split_len = num_splits(-(-rows // block_m) * batch * hkv, max_kv_len, block_n, s.sms)
+    dummy = s.dummy
+    args = dict(batch=batch, max_q_len=max_q_len, cu_q=dummy if cu_q is None else cu_q, q_lens=cu_q is not None,
+                kv_lens=dummy if kv_lens is None else kv_lens, kv_mode=kv_mode,
+                block_table=dummy if block_table is None else block_table, paged=block_table is not None,
+                page_size=page_size, bottom_right=bottom_right)
+    o_run = out.float() if s.interpret and out.dtype == torch.bfloat16 else out
+    if splits == 1:
+        runtime.launch(s.module, q4, k4, v4, view(o_run), view(lse.unsqueeze(-1))[..., 0], captures, scale, **args)
+    else:  # each split writes a normalised partial (o, lse); merge combines them
+        part_o = torch.empty((splits,) + out.shape, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits,) + lse.shape, dtype=torch.float32, device=q.device)
+        runtime.launch(s.module, q4, k4, v4, view(part_o, 1), view(part_lse.unsqueeze(-1), 1)[..., 0], captures,
+                       scale, split_len=split_len, num_splits=splits, **args)
+        s.module.merge(part_o.view(splits, -1, dv), part_lse.view(splits, -1), o_run.view(-1, dv), lse.view(-1))
+    if o_run is not out:
+        out.copy_(o_run)
+    return (out, lse) if return_lse else out
+
+
+def _check_q(q, packed: bool, cu_seqlens_q, name="query"):
+    if not isinstance(q, torch.Tensor):
+        raise AttnccError(f"{name} must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in DTYPES:
+        raise AttnccError(f"{name} has dtype {q.dtype}; attncc kernels support float16, bfloat16 and float32")
+    want = 3 if packed else 4
+    if q.dim() != want:
+        layout = "packed (total, heads, head_dim)" if packed else "(batch, q_len, heads, head_dim)"
+        raise AttnccError(f"{name} must be {layout}{' with cu_seqlens_q' if packed else ''}, got shape {tuple(q.shape)}")
+    if packed and (not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1):
+        raise AttnccError("cu_seqlens_q must be a 1-d integer tensor of batch + 1 offsets")
+
+
+def _cu(cu: torch.Tensor, device, name: str, total: int):
+    """cu_seqlens as int32 on the device, plus its host copy (one sync, unless max lengths are given)."""
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise AttnccError(f"{name} must hold integers (int32), got {cu.dtype}")
+    host = cu.tolist()
+    lens = [b - a for a, b in zip(host, host[1:])]
+    if not host or host[0] != 0 or any(n < 0 for n in lens) or host[-1] > total:
+        raise AttnccError(f"{name} must rise from 0 to at most the {total} packed tokens, got {host}")
+    return cu.to(device=device, dtype=torch.int32), lens
+
+
+def with_kvcache(compiled, q, cache, k=None, v=None, *, cu_seqlens_q=None, max_seqlen_q=None, return_lse=False):
+    """Attend queries to a KV cache after appending their keys and values (when given)."""
+    if not isinstance(cache, _Cache):
+        raise AttnccError(f"cache must be an attncc.KVCache or attncc.PagedKVCache, got {type(cache).__name__}")
+    packed = cu_seqlens_q is not None
+    _check_q(q, packed, cu_seqlens_q)
+    if q.dtype != cache.dtype or q.device != cache.device:
+        raise AttnccError(f"query is {q.dtype} on {q.device} but the cache holds {cache.dtype} on {cache.device}")
+    if q.shape[-1] != cache.head_dim:
+        raise AttnccError(f"query head dim {q.shape[-1]} differs from the cache's head_dim {cache.head_dim}")
+    if k is not None:
+        cache.append(k, v, cu_seqlens=cu_seqlens_q)
+    elif v is not None:
+        raise AttnccError("v was given without k: pass both new keys and values, or neither")
+    _no_grad(q)
+    if packed:
+        cu_q, lens = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
+        batch, max_q = len(lens), max(lens, default=0)
+    else:
+        cu_q, batch, max_q = None, q.shape[0], q.shape[1]
+        lens = [max_q] * batch
+    if batch > cache.batch:
+        raise AttnccError(f"the queries have {batch} sequences but the cache holds {cache.batch}")
+    short = [b for b, n in enumerate(lens) if n > cache.lengths()[b]]
+    if short:
+        raise AttnccError(f"sequence {short[0]} has {lens[short[0]]} queries but only {cache.lengths()[short[0]]} "
+                          "cached tokens: append the queries' keys first (pass k and v)")
+    args = cache.kernel_args()
+    return run(compiled, q, args.pop("k"), args.pop("v"), batch=batch, packed=packed, max_q_len=max_q,
+               max_kv_len=max(cache.lengths()[:batch], default=0), cu_q=cu_q, return_lse=return_lse, **args)
+
+
+def varlen(compiled, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, *,
+           return_lse=False):
+    """Attention over packed sequences: q (total_q, Hq, D), k/v (total_kv, Hkv, D) with cu_seqlens."""
+    _check_q(q, True, cu_seqlens_q)
+    _check_q(k, True, cu_seqlens_kv, "key")
+    _check_q(v, True, cu_seqlens_kv, "value")
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise AttnccError("query, key and value must share one dtype and device")
+    if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise AttnccError(f"shapes do not fit: query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
+    _no_grad(q, k, v)
+    cu_q, lens_q = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
+    cu_kv, lens_kv = _cu(cu_seqlens_kv, q.device, "cu_seqlens_kv", k.shape[0])
+    if len(lens_q) != len(lens_kv):
+        raise AttnccError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_kv {len(lens_kv)}")
+    batch = len(lens_q)
+    return run(compiled, q, _packed4(k, batch), _packed4(v, batch), batch=batch, packed=True,
+               max_q_len=max_seqlen_q or max(lens_q, default=0), max_kv_len=max_seqlen_kv or max(lens_kv, default=0),
+               cu_q=cu_q, kv_lens=cu_kv, kv_mode=KV_LENS_CU, return_lse=return_lse)
+
+
+def decode(compiled, q, k, v, enable_gqa=False, return_lse=False):
+    """attncc.attention's decode path: q (B, Hq, Lq, D) with few queries, k/v (B, Hkv, Lkv, D);
+    positions as in prefill (q_idx from 0)."""
+    check_qkv(q, k, v, enable_gqa)
+    check_captures(compiled.variant.captures, q.device)
+    return run(compiled, q, k, v, batch=q.shape[0], packed=False, max_q_len=q.shape[2], max_kv_len=k.shape[2],
+               bottom_right=0, return_lse=return_lse, heads_last=False)
+
+
+def use_decode(q, k, v, dropout: bool) -> bool:
+    """attncc.attention takes the decode kernel for few queries over many keys, in inference
+    (no gradient needed, no dropout, not inside torch.compile, which sees one custom op)."""
+    tensors = (q, k, v)
+    if dropout or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return q.shape[2] <= DECODE_MAX_Q and k.shape[2] >= DECODE_MIN_KV and not torch.compiler.is_compiling()
+
+
+def _no_grad(*tensors):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise AttnccError("attncc's KV-cache and varlen kernels are forward-only (inference): call them under "
+                          "torch.no_grad() / torch.inference_mode(), or use attncc.attention for training")
+
+
+def merge_states(o_a, lse_a, o_b=None, lse_b=None):
+    """Combine attention results over disjoint key sets exactly (cascade or shared-prefix
+    attention, context parallelism): ``merge_states(o_a, lse_a, o_b, lse_b)`` or
+    ``merge_states([o_1, ...], [lse_1, ...])``. o_i (..., Dv), lse_i (...) natural-log
+    log-sum-exp (-inf: no keys); returns (o, lse) with o in o_1's dtype. Decoding merges its
+    split-KV partials with the same kernel."""
+    if isinstance(o_a, (list, tuple)):
+        outs, lses = list(o_a), list(lse_a)
+        if o_b is not None or lse_b is not None:
+            raise AttnccError("merge_states takes (o_a, lse_a, o_b, lse_b) or two lists, not both")
+    else:
+        outs, lses = [o_a, o_b], [lse_a, lse_b]
+    if not outs or len(outs) != len(lses) or any(o is None for o in outs) or any(s is None for s in lses):
+        raise AttnccError("merge_states needs one log-sum-exp per output, and at least one of each")
+    shape, dev = outs[0].shape, outs[0].device
+    for o, s in zip(outs, lses):
+        if o.shape != shape or tuple(s.shape) != tuple(shape[:-1]) or o.device != dev or s.device != dev:
+            raise AttnccError(f"merge_states: every output must be {tuple(shape)} with lse {tuple(shape[:-1])} "
+                              f"on {dev}, got {tuple(o.shape)} and {tuple(s.shape)}")
+    dv = shape[-1]
+    part_o = torch.stack([o.reshape(-1, dv) for o in outs]).float()
+    part_lse = torch.stack([s.reshape(-1) for s in lses]).float().contiguous()
+    target = runtime.target_for(dev)
+    dtype = outs[0].dtype
+    # the interpreter would store bf16 as raw bits: merge in float32 there and convert after
+    out = torch.empty(part_o.shape[1], dv, dtype=torch.float32 if target == "interpreter" else dtype, device=dev)
+    lse = torch.empty(part_o.shape[1], dtype=torch.float32, device=dev)
+    if out.numel():
+        from .api import CompiledAttention
+        from .variant import Variant
+        module = CompiledAttention(Variant()).module("kv", plan.Spec("float32", 16, 16, 1, target))
+        module.merge(part_o, part_lse, out, lse)
+    return out.to(dtype).view(shape), lse.view(shape[:-1])

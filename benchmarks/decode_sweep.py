@@ -1,0 +1,59 @@
+"""Sweep the decode kernel's tiles and split-KV target on one GPU (bf16, GQA 8:1, D=128, one query
+token): prints, per shape, the time and share of copy bandwidth of each setting, best first.
+
+    python benchmarks/decode_sweep.py [--shapes 1x16384,1x131072,8x16384,64x16384] [--paged 64]
+"""
+import argparse
+import json
+import os
+
+import torch
+
+import attncc
+from attncc import api, inference
+
+TILES = [(16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 4), (16, 128, 4, 3)]
+CTAS = [2, 4, 8, 16]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="1x16384,1x65536,1x131072,8x16384,8x131072,64x16384,64x131072")
+    p.add_argument("--paged", type=int, default=0, help="page size (0: contiguous)")
+    args = p.parse_args()
+    from triton.testing import do_bench
+    src = torch.empty(2**31, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    peak = 2 * src.numel() * 2 / do_bench(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    print(f"copy bandwidth {peak:.0f} GB/s")
+    compiled = attncc.compile(attncc.Variant())
+    for shape in args.shapes.split(","):
+        B, L = map(int, shape.split("x"))
+        q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        if args.paged:
+            cache = attncc.PagedKVCache(B * -(-L // args.paged), args.paged, 4, 128, torch.bfloat16, "cuda", seed=0)
+        else:
+            cache = attncc.KVCache(B, L, 4, 128, torch.bfloat16, "cuda")
+        cache.append(*(torch.randn(B, L, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
+        kv_bytes = B * L * 4 * 256 * 2
+        results = []
+        for tiles in TILES:
+            os.environ["ATTNCC_TILES"] = json.dumps({"attn_kv_decode": tiles})
+            api._loaded.clear()
+            inference._setups.clear()
+            for ctas in CTAS:
+                inference.CTAS_PER_SM = ctas
+                with torch.no_grad():
+                    ms = do_bench(lambda: compiled.with_kvcache(q, cache), warmup=20, rep=60)
+                results.append((ms, tiles, ctas))
+        results.sort()
+        print(f"\nB={B} Lkv={L} ({'paged ' + str(args.paged) if args.paged else 'contiguous'})")
+        for ms, tiles, ctas in results[:4] + [r for r in results if r[1] == TILES[0]]:
+            print(f"  {1e3 * ms:8.1f} us  {kv_bytes / ms / 1e6 / peak:5.0%} of copy BW  tiles={tiles} ctas/SM={ctas}")
+        del cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
