@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+import sys
 
 import sympy
 import torch
 
-from . import cache, codegen, config, ir, plan, runtime
-from .autograd import AttentionFunction, Launch
+from . import autograd, cache, codegen, config, ir, plan, runtime
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes import symbolic
-from .checks import check_captures, check_qkv
 from .errors import AttnccError
 from .variant import Variant
 
@@ -43,6 +41,7 @@ class CompiledAttention:
             raise AttnccError(f"attncc.compile takes an attncc.Variant, got {type(variant).__name__}; "
                               "build one with attncc.Variant(score_mod, mask_mod)")
         self.variant = variant
+        autograd.register(self)  # the attention op finds it by the variant's key
 
     def __repr__(self):
         return f"CompiledAttention({self.variant!r})"
@@ -78,18 +77,11 @@ class CompiledAttention:
 
     def __call__(self, query, key, value, enable_gqa: bool = False, return_lse: bool = False, *,
                  training: bool = True, generator=None):
-        """Attention of the variant; ``training=False`` turns dropout off (evaluation)."""
-        v = self.variant
-        group = check_qkv(query, key, value, enable_gqa)
-        check_captures(v.captures, query.device)
-        target = runtime.target_for(query.device)
-        dropout = training and v.dropout_p > 0
-        spec = plan.Spec(_DTYPE_NAMES[query.dtype], query.shape[-1], value.shape[-1], group, target, dropout)
-        scale = v.scale if v.scale is not None else 1.0 / math.sqrt(query.shape[-1])
-        rng = (*runtime.draw_rng(generator), v.dropout_p) if dropout else ()
-        launch = Launch(self, spec, scale, rng, v.deterministic)
-        out, lse = AttentionFunction.apply(query, key, value, launch,
-                                           *[c.tensor for c in v.captures])
+        """Attention of the variant; ``training=False`` turns dropout off (evaluation).
+
+        Under torch.compile a call is one ``attncc::attention`` op (no graph break; see autograd.py)."""
+        out, lse = autograd.attend(self, query, key, value, [c.tensor for c in self.variant.captures],
+                                   enable_gqa=enable_gqa, training=training, generator=generator)
         return (out, lse) if return_lse else out
 
     def source(self, kernel: str = "fwd", dtype=torch.bfloat16, head_dim: int = 128,
@@ -153,10 +145,27 @@ def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, e
     with return_lse=True also the float32 log-sum-exp (B, Hq, Lq), -inf for fully masked rows.
     dropout_p applies whenever it is > 0, as in SDPA: pass 0.0 in evaluation. Its mask comes from
     ``generator`` (default: torch's), so torch.manual_seed reproduces it.
+
+    Each call traces the mods, which torch.compile cannot follow: in compiled code call a kernel
+    built outside it (attncc.compile(variant) or attncc.nn.Attention).
     """
-    variant = Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p, deterministic=deterministic)
+    if torch.compiler.is_compiling():
+        raise AttnccError(
+            "attncc.attention(q, k, v, score_mod, mask_mod) traces its mods on every call, which torch.compile "
+            "cannot follow: build the kernel once outside the compiled code, kernel = "
+            "attncc.compile(attncc.Variant(score_mod, mask_mod, ...)) or an attncc.nn.Attention module, and "
+            "call kernel(q, k, v) inside it")
+    variant = _outside_dynamo(Variant, score_mod, mask_mod, scale=scale, dropout_p=dropout_p,
+                              deterministic=deterministic)
     return CompiledAttention(variant)(query, key, value, enable_gqa=enable_gqa, return_lse=return_lse,
                                       generator=generator)
+
+
+def _outside_dynamo(fn, *args, **kwargs):
+    """fn(...) with torch.compile's frame evaluation off: after a graph break at attncc.attention,
+    dynamo would otherwise try to compile the mods that the tracer calls with its proxies."""
+    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing is being compiled
+    return fn(*args, **kwargs) if dynamo is None else dynamo.disable(fn)(*args, **kwargs)
 
 
 def dropout_mask(batch: int, heads: int, q_len: int, kv_len: int, dropout_p: float, *, seed=None, offset=None,
