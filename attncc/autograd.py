@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import blocks, plan, runtime
-from .checks import check_captures, check_qkv
+from .checks import check_capture_indices, check_captures, check_qkv
 from .errors import AttnccError
 from .log import logger
 
@@ -168,8 +168,13 @@ class AttentionFunction(torch.autograd.Function):
 @torch.library.custom_op("attncc::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, captures: List[Tensor], rng: Optional[Tensor], variant: str,
                  scale: Optional[float], dropout_p: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """out (B, H, Lq, Dv) in q's dtype and float32 lse (B, H, Lq); inputs are checked by the caller."""
-    return run_forward(_launch(lookup(variant), q, k, v, rng, scale, dropout_p, deterministic), q, k, v, captures)
+    """out (B, H, Lq, Dv) in q's dtype and float32 lse (B, H, Lq); inputs are checked by the caller,
+    but for the captured tensors' sizes against this call's lengths, which are checked here."""
+    compiled = lookup(variant)
+    caps = compiled.variant.captures
+    if len(caps) == len(captures) and all(c.tensor is t for c, t in zip(caps, captures)):
+        check_capture_indices(compiled.variant, q, k)  # it reads the sizes of the variant's own tensors
+    return run_forward(_launch(compiled, q, k, v, rng, scale, dropout_p, deterministic), q, k, v, captures)
 
 
 @attention_op.register_fake
@@ -243,5 +248,6 @@ def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training:
     if torch.compiler.is_compiling():
         return attention_op(query, key, value, captures, rng, variant.ir_key, variant.scale, dropout_p,
                             variant.deterministic)
+    check_capture_indices(variant, query, key)
     launch = _launch(compiled, query, key, value, rng, variant.scale, dropout_p, variant.deterministic)
     return AttentionFunction.apply(query, key, value, launch, *captures)

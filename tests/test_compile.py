@@ -235,6 +235,20 @@ def test_op_called_eagerly_equals_the_function_path():
         assert torch.equal(g, w)
 
 
+def test_captured_tensor_too_small_for_a_compiled_length():
+    """The capture index check (attncc.checks.check_capture_indices) runs inside the op, so it
+    sees every length a dynamic graph is called with."""
+    table = torch.randn(2, 40)
+    kernel = attncc.compile(attncc.Variant(lambda s, b, h, qi, ki: s + table[h, qi]))
+    compiled = torch.compile(lambda q, k, v: kernel(q, k, v), backend="inductor", fullgraph=True, dynamic=True)
+    q, k, v = qkv(24, requires_grad=False)
+    assert torch.equal(compiled(q, k, v), kernel(q, k, v))
+    with pytest.raises(attncc.AttnccError, match="too small for its index `q_idx`"):
+        compiled(*qkv(57, requires_grad=False))
+    with pytest.raises(attncc.AttnccError, match="too small for its index `q_idx`"):
+        kernel(*qkv(57, requires_grad=False))
+
+
 def test_op_needs_a_live_kernel_and_the_registry_holds_none():
     q, k, v = qkv(24, requires_grad=False)
     with pytest.raises(attncc.AttnccError, match="no live attncc.CompiledAttention"):

@@ -670,8 +670,6 @@ def test_index_check_for_offset_positions():
         checks.check_index_ranges(variant, {"b": (0, 0), "h": (0, 3), "q_idx": (60, 64), "kv_idx": (0, 64)})
 
 
-@pytest.mark.xfail(strict=True, reason="CompiledAttention.__call__ (attncc.autograd.attend) does not call "
-                                       "checks.check_capture_indices yet; remove this marker when it does")
 def test_capture_too_small_through_attention():
     slopes = torch.randn(2)
     q, k, v = qkv(Hq=4, Hkv=4)
