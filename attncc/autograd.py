@@ -246,8 +246,8 @@ def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training:
     rng = draw_rng(generator) if dropout else None
     dropout_p = variant.dropout_p if dropout else 0.0
     if torch.compiler.is_compiling():
-        return attention_op(query, key, value, captures, rng, variant.ir_key, variant.scale, dropout_p,
-                            variant.deterministic)
+        return torch.ops.attncc.attention.default(query, key, value, captures, rng, variant.ir_key, variant.scale,
+                                                  dropout_p, variant.deterministic)
     check_capture_indices(variant, query, key)
     launch = _launch(compiled, query, key, value, rng, variant.scale, dropout_p, variant.deterministic)
     return AttentionFunction.apply(query, key, value, launch, *captures)
