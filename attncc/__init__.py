@@ -3,10 +3,14 @@ kernels (Triton). Public API only; see README.md."""
 __version__ = "0.1.0"
 
 from . import ir, reference  # noqa: E402
-from .api import CompiledAttention, attention, compile, dropout_mask  # noqa: E402
+from .api import (CompiledAttention, attention, attention_varlen, attention_with_kvcache,  # noqa: E402
+                  compile, dropout_mask)
+from .inference import merge_states  # noqa: E402
+from .kvcache import KVCache, PagedKVCache  # noqa: E402
 from .errors import AttnccError, ModTraceError  # noqa: E402
 from .variant import Variant  # noqa: E402
 from . import nn  # noqa: E402  (attncc.nn.Attention)
 
 __all__ = ["attention", "compile", "dropout_mask", "Variant", "CompiledAttention", "AttnccError", "ModTraceError",
-           "ir", "reference", "__version__"]
+           "ir", "reference", "__version__", "attention_with_kvcache", "attention_varlen",
+           "KVCache", "PagedKVCache", "merge_states"]

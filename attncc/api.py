@@ -7,7 +7,7 @@ import sys
 import sympy
 import torch
 
-from . import autograd, cache, codegen, config, ir, plan, runtime
+from . import autograd, cache, codegen, config, inference, ir, plan, runtime
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes import symbolic
@@ -79,10 +79,31 @@ class CompiledAttention:
                  training: bool = True, generator=None):
         """Attention of the variant; ``training=False`` turns dropout off (evaluation).
 
-        Under torch.compile a call is one ``attncc::attention`` op (no graph break; see autograd.py)."""
+        Under torch.compile a call is one ``attncc::attention`` op (no graph break; see autograd.py).
+        Without gradients, a few queries (<= 16) over many keys (>= 256) take the split-KV
+        decode kernel instead (outside torch.compile)."""
+        if inference.use_decode(query, key, value, training and self.variant.dropout_p > 0):
+            return inference.decode(self, query, key, value, enable_gqa, return_lse)
         out, lse = autograd.attend(self, query, key, value, [c.tensor for c in self.variant.captures],
                                    enable_gqa=enable_gqa, training=training, generator=generator)
         return (out, lse) if return_lse else out
+
+    def with_kvcache(self, query, cache, key=None, value=None, *, cu_seqlens_q=None, max_seqlen_q=None,
+                     return_lse=False):
+        """Inference against a KV cache (attncc.KVCache or attncc.PagedKVCache): append ``key`` and
+        ``value`` (the queries' own tokens, when given), then attend. query (B, Lq, Hq, D), or
+        packed (total, Hq, D) with cu_seqlens_q; the mods see query i of a sequence of length L
+        at q_idx = L - Lq + i. Split-KV decoding when Lq is small. Forward only."""
+        return inference.with_kvcache(self, query, cache, key, value, cu_seqlens_q=cu_seqlens_q,
+                                      max_seqlen_q=max_seqlen_q, return_lse=return_lse)
+
+    def varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, *,
+               return_lse=False):
+        """Ragged batches without padding (FlashAttention's varlen convention): query (total_q, Hq, D),
+        key/value (total_kv, Hkv, D), sequence b at rows cu_seqlens[b]:cu_seqlens[b+1]. The mods see
+        per-sequence positions (queries are the last Lq_b of Lkv_b tokens). Forward only."""
+        return inference.varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                return_lse=return_lse)
 
     def source(self, kernel: str = "fwd", dtype=torch.bfloat16, head_dim: int = 128,
                head_dim_v: int | None = None, gqa: int = 1, target: str | None = None) -> str:
@@ -184,3 +205,18 @@ def dropout_mask(batch: int, heads: int, q_len: int, kv_len: int, dropout_p: flo
     if keep.numel():
         module.dropout_mask(keep, seed, offset, float(dropout_p))
     return keep.bool()
+
+
+def attention_with_kvcache(query, cache, key=None, value=None, score_mod=None, mask_mod=None, *, scale=None,
+                           cu_seqlens_q=None, max_seqlen_q=None, return_lse=False):
+    """Decode or prefill against a KV cache with FlexAttention-style mods (see
+    CompiledAttention.with_kvcache); returns (B, Lq, Hq, Dv) or packed (total, Hq, Dv)."""
+    return CompiledAttention(Variant(score_mod, mask_mod, scale=scale)).with_kvcache(
+        query, cache, key, value, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, return_lse=return_lse)
+
+
+def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None,
+                     score_mod=None, mask_mod=None, *, scale=None, return_lse=False):
+    """Attention over packed ragged sequences (see CompiledAttention.varlen); returns (total_q, Hq, Dv)."""
+    return CompiledAttention(Variant(score_mod, mask_mod, scale=scale)).varlen(
+        query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, return_lse=return_lse)

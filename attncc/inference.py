@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import plan, runtime
-from .checks import DTYPES, check_captures, check_qkv
+from .checks import DTYPES, check_capture_indices, check_captures, check_index_ranges, check_qkv
 from .errors import AttnccError
 from .kvcache import KV_LENS_CU, KV_LENS_FIXED, _Cache
 
@@ -25,6 +25,7 @@ _INTERPRETER_SMS = 4  # the interpreter has no SMs; pretend a few so split-KV ru
 
 
 CTAS_PER_SM = 4  # split-KV aims at this many programs per SM (decode_sweep.py measures it)
+SPLIT_MIN_KV = 2048  # fewer keys: no split (a merge launch costs more than it saves)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -56,8 +57,12 @@ def _setup(compiled, dtype, d, dv, group, device) -> _Setup:
 
 def num_splits(programs: int, max_kv_len: int, block_n: int, sms: int) -> tuple:
     """(splits, keys per split) for flash-decoding: about CTAS_PER_SM programs per SM, each
-    split keeping at least 4 key tiles (1 in the interpreter) so that merging stays cheap."""
+    split keeping at least 4 key tiles (1 in the interpreter) so that merging stays cheap. Up
+    to SPLIT_MIN_KV keys one program per row tile is fast enough that the merge kernel's launch
+    would cost more than it saves."""
     min_tiles = 1 if sms == _INTERPRETER_SMS else 4
+    if max_kv_len < SPLIT_MIN_KV and sms != _INTERPRETER_SMS:
+        return 1, None
     tiles = -(-max(max_kv_len, 1) // block_n)
     splits = max(1, min(-(-CTAS_PER_SM * sms // max(programs, 1)), tiles // min_tiles, 256))
     if splits == 1:
@@ -186,8 +191,10 @@ def with_kvcache(compiled, q, cache, k=None, v=None, *, cu_seqlens_q=None, max_s
         raise AttnccError(f"sequence {short[0]} has {lens[short[0]]} queries but only {cache.lengths()[short[0]]} "
                           "cached tokens: append the queries' keys first (pass k and v)")
     args = cache.kernel_args()
+    kv_lens = cache.lengths()[:batch]
+    _check_positions(compiled, q.shape[-2], batch, lens, kv_lens)
     return run(compiled, q, args.pop("k"), args.pop("v"), batch=batch, packed=packed, max_q_len=max_q,
-               max_kv_len=max(cache.lengths()[:batch], default=0), cu_q=cu_q, return_lse=return_lse, **args)
+               max_kv_len=max(kv_lens, default=0), cu_q=cu_q, return_lse=return_lse, **args)
 
 
 def varlen(compiled, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, *,
@@ -206,6 +213,7 @@ def varlen(compiled, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, ma
     if len(lens_q) != len(lens_kv):
         raise AttnccError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_kv {len(lens_kv)}")
     batch = len(lens_q)
+    _check_positions(compiled, q.shape[-2], batch, lens_q, lens_kv)
     return run(compiled, q, _packed4(k, batch), _packed4(v, batch), batch=batch, packed=True,
                max_q_len=max_seqlen_q or max(lens_q, default=0), max_kv_len=max_seqlen_kv or max(lens_kv, default=0),
                cu_q=cu_q, kv_lens=cu_kv, kv_mode=KV_LENS_CU, return_lse=return_lse)
@@ -216,6 +224,7 @@ def decode(compiled, q, k, v, enable_gqa=False, return_lse=False):
     positions as in prefill (q_idx from 0)."""
     check_qkv(q, k, v, enable_gqa)
     check_captures(compiled.variant.captures, q.device)
+    check_capture_indices(compiled.variant, q, k)
     return run(compiled, q, k, v, batch=q.shape[0], packed=False, max_q_len=q.shape[2], max_kv_len=k.shape[2],
                bottom_right=0, return_lse=return_lse, heads_last=False)
 
@@ -229,6 +238,16 @@ def use_decode(q, k, v, dropout: bool) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return q.shape[2] <= DECODE_MAX_Q and k.shape[2] >= DECODE_MIN_KV and not torch.compiler.is_compiling()
+
+
+def _check_positions(compiled, heads: int, batch: int, q_lens: list, kv_lens: list) -> None:
+    """Captured tensors must be large enough for the positions this call gives the mods: query
+    i of sequence b is at kv_lens[b] - q_lens[b] + i."""
+    firsts = [kv - q for q, kv in zip(q_lens, kv_lens) if q]
+    leaves = {"b": (0, batch - 1), "h": (0, heads - 1),
+              "q_idx": (min(firsts, default=0), max(kv_lens, default=0) - 1),
+              "kv_idx": (0, max(kv_lens, default=0) - 1)}
+    check_index_ranges(compiled.variant, leaves)
 
 
 def _no_grad(*tensors):
