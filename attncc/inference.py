@@ -233,11 +233,13 @@ def use_decode(q, k, v, dropout: bool) -> bool:
     """attncc.attention takes the decode kernel for few queries over many keys, in inference
     (no gradient needed, no dropout, not inside torch.compile, which sees one custom op)."""
     tensors = (q, k, v)
-    if dropout or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+    if dropout or torch.compiler.is_compiling():  # first: no guards on lengths in compiled graphs
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return q.shape[2] <= DECODE_MAX_Q and k.shape[2] >= DECODE_MIN_KV and not torch.compiler.is_compiling()
+    return q.shape[2] <= DECODE_MAX_Q and k.shape[2] >= DECODE_MIN_KV
 
 
 def _check_positions(compiled, heads: int, batch: int, q_lens: list, kv_lens: list) -> None:
