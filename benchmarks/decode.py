@@ -1,13 +1,17 @@
-"""Decoding on one GPU: attncc (contiguous and paged KV cache) against compiled FlexAttention and
-SDPA (flash, cuDNN, efficient), bf16, one query token per sequence, GQA 8:1, head dim 128.
+"""Decoding on one GPU: attncc against compiled FlexAttention and SDPA (flash, cuDNN, efficient),
+bf16, one query token per sequence, GQA 8:1 (32 query heads, 4 K/V heads), head dim 128.
 
     python benchmarks/decode.py [--batch 1,8,64] [--kv 1024,4096,16384,65536,131072] [--page 64]
-                                [--variants full,alibi,softcap] [--out DIR]
+                                [--variants full,alibi,softcap] [--out DIR] [--merge]
 
+Systems: ``attncc`` is attncc.attention's decode path on contiguous (B, Hkv, Lkv, D) tensors;
+``attncc-paged64`` is a PagedKVCache with 64-token pages handed out in shuffled order. Each is
+timed as eager calls (Python and launch costs included) and replayed from a CUDA graph (the
+kernels alone, as a serving loop runs them); every time is the best of three medians.
 Bandwidth is the bytes of K and V a decode step must read (B * Lkv * Hkv * (D + Dv) * 2) over
-its time, against the copy bandwidth of the same GPU (a large device-to-device copy moves
-2 bytes per byte copied). Writes decode-<gpu>.json (one row per system and shape) and prints a
-markdown table; rows a system cannot run say why.
+its time, against the copy bandwidth of the same GPU (a large device-to-device copy, counting
+read and write); reads alone can exceed it. Writes results/<gpu>-decode.json (one row per
+system and shape) and prints markdown tables; rows a system cannot run say why.
 """
 import argparse
 import json
@@ -25,14 +29,15 @@ SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-
 
 
 def bench(fn):
+    """Best of three medians: decode timings on the H200 come out bimodal (the same kernel at
+    ~100% or ~88% of copy bandwidth from one measurement to the next), so one median is noisy."""
     from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100)
+    return min(do_bench(fn, warmup=10, rep=40) for _ in range(3))
 
 
 def bench_graph(fn):
     """Time of fn replayed from a CUDA graph: the kernels alone, without Python and launch costs
     (how a serving loop runs decode steps)."""
-    from triton.testing import do_bench
     with torch.no_grad():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -43,7 +48,7 @@ def bench_graph(fn):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-    return do_bench(graph.replay, warmup=25, rep=100)
+    return bench(graph.replay)
 
 
 def copy_bandwidth() -> float:
@@ -147,7 +152,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{gpu.split()[-1].lower()}.json"
+    path = out / f"{gpu.lower().replace(' ', '-')}-decode.json"  # nvidia-h200-decode.json
     if path.exists() and args.merge:  # keep rows of other variants from an earlier run
         old = json.loads(path.read_text())["rows"]
         rows = [r for r in old if r["variant"] not in args.variants.split(",")] + rows

@@ -20,6 +20,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x16384,1x65536,1x131072,8x16384,8x131072,64x16384,64x131072")
     p.add_argument("--paged", type=int, default=0, help="page size (0: contiguous)")
+    p.add_argument("--tiles", default="", help="only these decode tiles, e.g. 16x64x4x3")
+    p.add_argument("--ctas", default="", help="only these split targets (programs per SM), e.g. 2,4")
     args = p.parse_args()
     from triton.testing import do_bench
     src = torch.empty(2**31, dtype=torch.int16, device="cuda")
@@ -28,6 +30,8 @@ def main():
     del src, dst
     print(f"copy bandwidth {peak:.0f} GB/s")
     compiled = attncc.compile(attncc.Variant())
+    tile_list = [tuple(map(int, s.split("x"))) for s in args.tiles.split(",")] if args.tiles else TILES
+    cta_list = [int(c) for c in args.ctas.split(",")] if args.ctas else CTAS
     for shape in args.shapes.split(","):
         B, L = map(int, shape.split("x"))
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -38,18 +42,18 @@ def main():
         cache.append(*(torch.randn(B, L, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
         kv_bytes = B * L * 4 * 256 * 2
         results = []
-        for tiles in TILES:
+        for tiles in tile_list:
             os.environ["ATTNCC_TILES"] = json.dumps({"attn_kv_decode": tiles})
             api._loaded.clear()
             inference._setups.clear()
-            for ctas in CTAS:
+            for ctas in cta_list:
                 inference.CTAS_PER_SM = ctas
                 with torch.no_grad():
                     ms = do_bench(lambda: compiled.with_kvcache(q, cache), warmup=20, rep=60)
                 results.append((ms, tiles, ctas))
         results.sort()
         print(f"\nB={B} Lkv={L} ({'paged ' + str(args.paged) if args.paged else 'contiguous'})")
-        for ms, tiles, ctas in results[:4] + [r for r in results if r[1] == TILES[0]]:
+        for ms, tiles, ctas in results:
             print(f"  {1e3 * ms:8.1f} us  {kv_bytes / ms / 1e6 / peak:5.0%} of copy BW  tiles={tiles} ctas/SM={ctas}")
         del cache
         torch.cuda.empty_cache()
