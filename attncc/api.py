@@ -63,7 +63,10 @@ class CompiledAttention:
     def _path_and_module(self, kernel: str, spec: plan.Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)
         hit = _loaded.get(k)
-        if hit is None or (load and hit[1] is None):
+        # a source read (load=False) looks at the file again: `attncc cache clear` or a new
+        # ATTNCC_CACHE_DIR may have removed it; loaded modules stay valid in memory
+        stale = hit is not None and not load and not hit[0].is_file()
+        if hit is None or stale or (load and hit[1] is None):
             v = self.variant
             path = cache.lookup_alias(kernel, v.ir_key, spec)  # a warm process skips the sympy passes
             if path is None:

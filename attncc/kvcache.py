@@ -69,10 +69,12 @@ class _Cache:
 
     @property
     def seqlens(self) -> torch.Tensor:
-        """int32 (batch,) on the cache's device: cache_seqlens in FlashAttention's terms."""
+        """int32 (batch,) on the cache's device: tokens stored per sequence."""
         if self._lens_dev is None:
             self._lens_dev = torch.tensor(self._lens, dtype=torch.int32, device=self.device)
         return self._lens_dev
+
+    cache_seqlens = seqlens  # FlashAttention's name for it
 
     def append(self, k, v=None, cu_seqlens=None) -> None:
         """Write new tokens after each sequence's last one: k, v (batch, new_len, kv_heads, dim)
@@ -91,12 +93,12 @@ class _Cache:
         new = _new_lengths(k, cu_seqlens)
         while len(self._lens) < len(new):
             self._add_sequence()
+        grow = {b: self._lens[b] + n for b, n in enumerate(new) if n}
+        self._reserve(grow)  # all or nothing: a failed append leaves the cache as it was
         seq, pos = [], []
         for b, n in enumerate(new):
-            if n:
-                self._reserve(b, self._lens[b] + n)
-                seq += [b] * n
-                pos += range(self._lens[b], self._lens[b] + n)
+            seq += [b] * n
+            pos += range(self._lens[b], self._lens[b] + n)
         if seq:
             outer, slot = self._locate(seq, pos)
             self._k[outer, :, slot] = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -141,10 +143,11 @@ class KVCache(_Cache):
         raise AttnccError(f"this KVCache holds {len(self._lens)} sequences; appended keys have more "
                           "(create the cache with a larger batch)")
 
-    def _reserve(self, b: int, length: int):
-        if length > self.max_len:
-            raise AttnccError(f"KVCache overflow: sequence {b} would hold {length} tokens but max_len is "
-                              f"{self.max_len}; create the cache with a larger max_len")
+    def _reserve(self, grow: dict):
+        for b, length in grow.items():
+            if length > self.max_len:
+                raise AttnccError(f"KVCache overflow: sequence {b} would hold {length} tokens but max_len is "
+                                  f"{self.max_len}; create the cache with a larger max_len")
 
     def _locate(self, seq, pos):
         dev = self.device
@@ -201,15 +204,17 @@ class PagedKVCache(_Cache):
         self._lens.append(0)
         self._pages.append([])
 
-    def _reserve(self, b: int, length: int):
-        need = -(-length // self.page_size) - len(self._pages[b])
-        if need > len(self._free):
+    def _reserve(self, grow: dict):
+        need = {b: max(-(-length // self.page_size) - len(self._pages[b]), 0) for b, length in grow.items()}
+        if sum(need.values()) > len(self._free):
+            short = ", ".join(f"sequence {b} needs {n} more" for b, n in need.items() if n)
             raise AttnccError(
-                f"PagedKVCache out of pages: sequence {b} needs {need} more page(s) of {self.page_size} tokens "
-                f"but {len(self._free)} of {self.num_pages} are free; free finished sequences with "
-                "cache.free(b) or create the cache with more pages")
-        for _ in range(max(need, 0)):
-            self._pages[b].append(self._free.pop(0))
+                f"PagedKVCache out of pages: {short} page(s) of {self.page_size} tokens but {len(self._free)} "
+                f"of {self.num_pages} are free; free finished sequences with cache.free(b) or create the cache "
+                "with more pages")
+        for b, n in need.items():
+            self._pages[b] += self._free[:n]
+            del self._free[:n]
         self._table = None
 
     def _locate(self, seq, pos):

@@ -139,15 +139,21 @@ def test_paged_equals_contiguous(page_size):
 def test_paged_cache_errors_and_free():
     cache = attncc.PagedKVCache(4, 16, 1, 16, torch.float32, "cpu")
     cache.append(torch.randn(2, 20, 1, 16), torch.randn(2, 20, 1, 16))  # 2 pages each: all 4 used
-    with pytest.raises(attncc.AttnccError, match=r"out of pages: sequence 0 needs 1 more .* 0 of 4 are free"):
+    with pytest.raises(attncc.AttnccError, match=r"out of pages: sequence 0 needs 1 more, sequence 1 needs 1 more "
+                                                  r"page\(s\) of 16 tokens but 0 of 4 are free"):
         cache.append(torch.randn(2, 20, 1, 16), torch.randn(2, 20, 1, 16))
-    assert cache.lengths() == [20, 20]  # a failed append changes nothing it had not reserved
+    assert cache.lengths() == [20, 20] and cache.free_pages == 0  # a failed append changes nothing
     cache.free(1)
     assert cache.free_pages >= 2 and cache.lengths() == [20, 0]
     cache.append(torch.randn(20, 1, 16), torch.randn(20, 1, 16), cu_seqlens=torch.tensor([0, 0, 20]))
     assert cache.lengths() == [20, 20]
+    assert cache.cache_seqlens.tolist() == [20, 20] and cache.cache_seqlens.dtype == torch.int32
     with pytest.raises(attncc.AttnccError, match="no sequence 5"):
         cache.free(5)
+    three = attncc.PagedKVCache(3, 16, 1, 16, torch.float32, "cpu")  # 2 + 2 pages needed, 3 free: none taken
+    with pytest.raises(attncc.AttnccError, match="out of pages"):
+        three.append(torch.randn(2, 20, 1, 16), torch.randn(2, 20, 1, 16))
+    assert three.free_pages == 3 and three.lengths() == [0, 0]
     flat = attncc.KVCache(1, 8, 1, 16, torch.float32, "cpu")
     with pytest.raises(attncc.AttnccError, match="KVCache overflow: sequence 0 would hold 9 tokens but max_len is 8"):
         flat.append(torch.randn(1, 9, 1, 16), torch.randn(1, 9, 1, 16))
