@@ -161,17 +161,28 @@ def split_dim(n: int) -> tuple:
     return first, _pow2(n - first)
 
 
-def choose_tiles(fn: str, spec: Spec, sparse: bool = False) -> Tiles:
+def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "none") -> Tiles:
     """Tile shape, warps and pipeline depth for one kernel function on a target; each level of
-    ``spec.shrink`` drops a pipeline stage, then halves the streamed tile."""
+    ``spec.shrink`` drops a pipeline stage, then halves the streamed tile. ``mask_class``:
+    "none" (no mask), "masked", or "banded" (each query row reaches a bounded key range, like a
+    sliding window)."""
     t = _base_tiles(fn, spec)
+    override = bool(config.tile_overrides().get(fn))
     why = ("interpreter default" if spec.target == "interpreter" else
-           "ATTNCC_TILES override" if config.tile_overrides().get(fn) else "default table")
-    if sparse and fn == "attn_fwd" and spec.target != "interpreter" and spec.dtype != "float32" and t.block_n == 128:
+           "ATTNCC_TILES override" if override else "default table")
+    tuned = fn == "attn_fwd" and spec.target != "interpreter" and spec.dtype != "float32" and not override
+    d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
+    if tuned and sparse and t.block_n == 128:
         # data-dependent masks: smaller tiles waste less on partial tiles (H200, document mask:
         # 1.10-1.21x FlexAttention with 64x64 against 0.94-0.98x with 128x128)
         t = Tiles(64, 64, 4, 3)
         why += ", then 64x64 for a data-dependent mask"
+    elif tuned and ((mask_class != "none" and d <= 64) or (mask_class == "banded" and d <= 128)):
+        # H200, bf16, 4x32x4096x64 forward ms, 64x64 against the 128x64 default: sliding window
+        # 0.40 / 0.55, ALiBi-causal 0.89 / 1.10, causal 0.68 / 0.71; 4x16x4096x128 sliding window
+        # 0.37 / 0.39 against 128x128 (benchmarks/tile_sweep.py)
+        t = Tiles(64, 64, 4, 3)
+        why += f", then 64x64 for a {mask_class} variant at head dim {d}"
     for _ in range(spec.shrink):
         if t.num_stages > 1:
             t = Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages - 1)
@@ -280,6 +291,9 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         tile_bounds["attn_kv"] = dataclasses.replace(tile_bounds["attn_kv"], full_empty=True,
                                                      full_first=None, full_end=None, full_text="(none)")
     block_sparse = bool(f.captures_in_mask)
+    fwd_bounds = tile_bounds.get("attn_fwd")
+    mask_class = ("none" if f.mask_trivial else
+                  "banded" if fwd_bounds is not None and fwd_bounds.reach_first is not None else "masked")
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(
@@ -293,7 +307,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         score_text=str(analysis.score), mask_text=str(analysis.mask),
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
-        tiles={fn: choose_tiles(fn, spec, block_sparse) for fn in _tiled(fns)}, mods=mods, bounds=tile_bounds, grads=grads,
+        tiles={fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)}, mods=mods,
+        bounds=tile_bounds, grads=grads,
         atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
         split_d=split_dim(spec.head_dim),
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)))
