@@ -56,13 +56,13 @@ def _setup(compiled, dtype, d, dv, group, device) -> _Setup:
     return s
 
 
-def num_splits(programs: int, max_kv_len: int, block_n: int, sms: int) -> tuple:
+def num_splits(programs: int, max_kv_len: int, block_n: int, sms: int, interpret: bool = False) -> tuple:
     """(splits, keys per split) for flash-decoding: about CTAS_PER_SM programs per SM, each
-    split keeping at least 4 key tiles (1 in the interpreter) so that merging stays cheap. Up
-    to SPLIT_MIN_KV keys one program per row tile is fast enough that the merge kernel's launch
-    would cost more than it saves."""
-    min_tiles = 1 if sms == _INTERPRETER_SMS else 4
-    if max_kv_len < SPLIT_MIN_KV and sms != _INTERPRETER_SMS:
+    split keeping at least 4 key tiles so that merging stays cheap. Up to SPLIT_MIN_KV keys one
+    program per row tile is fast enough that the merge kernel's launch would cost more than it
+    saves. The interpreter splits from one tile on, so that CPU tests run the split path."""
+    min_tiles = 1 if interpret else 4
+    if max_kv_len < SPLIT_MIN_KV and not interpret:
         return 1, None
     tiles = -(-max(max_kv_len, 1) // block_n)
     splits = max(1, min(-(-CTAS_PER_SM * sms // max(programs, 1)), tiles // min_tiles, 256))
@@ -121,7 +121,7 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
     rows = max_q_len * s.group
     block_m, block_n = s.module.tiles(rows)[:2]
     programs = -(-rows // block_m) * batch * hkv
-    splits, split_len = num_splits(programs, max_kv_len, block_n, s.sms)
+    splits, split_len = num_splits(programs, max_kv_len, block_n, s.sms, s.interpret)
     dummy = s.dummy
     paged = block_table is not None
     args = dict(batch=batch, max_q_len=max_q_len, cu_q=dummy if cu_q is None else cu_q, q_lens=cu_q is not None,
@@ -187,7 +187,7 @@ def with_kvcache(compiled, q, cache, k=None, v=None, *, cu_seqlens_q=None, max_s
     _no_grad(q)
     if packed:
         cu_q, lens = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
-        batch, max_q = len(lens), max(lens, default=0)
+        batch, max_q = len(lens), max_seqlen_q or max(lens, default=0)
     else:
         cu_q, batch, max_q = None, q.shape[0], q.shape[1]
         lens = [max_q] * batch

@@ -46,8 +46,12 @@ def test_decode_kernel(name, lq, lkv, hq, hkv):
 
 def test_decode_splits_are_used():
     """The CPU tests must exercise the split-KV path and its merge."""
-    splits, split_len = inference.num_splits(programs=2, max_kv_len=300, block_n=32, sms=inference._INTERPRETER_SMS)
+    splits, split_len = inference.num_splits(programs=2, max_kv_len=300, block_n=32, sms=4, interpret=True)
     assert splits > 1 and split_len % 32 == 0 and (splits - 1) * split_len < 300 <= splits * split_len
+    # on a GPU: no split for short contexts, many for long ones, each split a multiple of the tile
+    assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, sms=132) == (1, None)
+    splits, split_len = inference.num_splits(programs=4, max_kv_len=131072, block_n=64, sms=132)
+    assert splits >= 64 and split_len % 64 == 0 and (splits - 1) * split_len < 131072 <= splits * split_len
 
 
 def test_attention_dispatches_to_decode(monkeypatch):
