@@ -85,9 +85,10 @@ class CompiledAttention:
         Under torch.compile a call is one ``attncc::attention`` op (no graph break; see autograd.py).
         Without gradients, a few queries (<= 16) over many keys (>= 256) take the split-KV
         decode kernel instead (outside torch.compile)."""
-        if inference.use_decode(query, key, value, training and self.variant.dropout_p > 0):
+        captures = [c.tensor for c in self.variant.captures]
+        if inference.use_decode(query, key, value, training and self.variant.dropout_p > 0, captures):
             return inference.decode(self, query, key, value, enable_gqa, return_lse)
-        out, lse = autograd.attend(self, query, key, value, [c.tensor for c in self.variant.captures],
+        out, lse = autograd.attend(self, query, key, value, captures,
                                    enable_gqa=enable_gqa, training=training, generator=generator)
         return (out, lse) if return_lse else out
 

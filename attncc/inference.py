@@ -236,15 +236,15 @@ def decode(compiled, q, k, v, enable_gqa=False, return_lse=False):
                bottom_right=0, return_lse=return_lse, heads_last=False)
 
 
-def use_decode(q, k, v, dropout: bool) -> bool:
+def use_decode(q, k, v, dropout: bool, captures=()) -> bool:
     """attncc.attention takes the decode kernel for few queries over many keys, in inference
-    (no gradient needed, no dropout, not inside torch.compile, which sees one custom op)."""
-    tensors = (q, k, v)
+    (no gradient needed for q, k, v or a captured tensor, no dropout, not inside torch.compile,
+    which sees one custom op)."""
     if dropout or torch.compiler.is_compiling():  # first: no guards on lengths in compiled graphs
         return False
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captures)):
         return False
     return q.shape[2] <= DECODE_MAX_Q and k.shape[2] >= DECODE_MIN_KV
 

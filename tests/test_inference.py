@@ -72,6 +72,12 @@ def test_attention_dispatches_to_decode(monkeypatch):
         attncc.attention(q, k[:, :, :200], v[:, :, :200], mask_mod=causal_mask)  # too few keys
         attncc.attention(torch.randn(1, 2, 17, 16), k, v)  # too many queries
     assert calls == [1]
+    slopes = torch.rand(2, requires_grad=True)  # a learnable capture needs the training kernels
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    attncc.attention(q.detach(), k, v, score_mod=alibi).sum().backward()
+    assert calls == [1] and slopes.grad is not None and slopes.grad.abs().sum() > 0
 
 
 def _make_cache(kind, B, max_len, hkv, D, dv, seed=0):
