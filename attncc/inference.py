@@ -180,26 +180,28 @@ def with_kvcache(compiled, q, cache, k=None, v=None, *, cu_seqlens_q=None, max_s
         raise AttnccError(f"query is {q.dtype} on {q.device} but the cache holds {cache.dtype} on {cache.device}")
     if q.shape[-1] != cache.head_dim:
         raise AttnccError(f"query head dim {q.shape[-1]} differs from the cache's head_dim {cache.head_dim}")
-    if k is not None:
-        cache.append(k, v, cu_seqlens=cu_seqlens_q)
-    elif v is not None:
+    if v is not None and k is None:
         raise AttnccError("v was given without k: pass both new keys and values, or neither")
-    _no_grad(q)
+    _no_grad(q, *[c.tensor for c in compiled.variant.captures])
     if packed:
         cu_q, lens = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
         batch, max_q = len(lens), max_seqlen_q or max(lens, default=0)
     else:
         cu_q, batch, max_q = None, q.shape[0], q.shape[1]
         lens = [max_q] * batch
-    if batch > cache.batch:
-        raise AttnccError(f"the queries have {batch} sequences but the cache holds {cache.batch}")
-    short = [b for b, n in enumerate(lens) if n > cache.lengths()[b]]
+    # every check before the append, so that a failed call leaves the cache as it was
+    kv_lens = cache.lengths() if k is None else cache.lengths_after(k, v, cu_seqlens_q)
+    if batch > len(kv_lens):
+        raise AttnccError(f"the queries have {batch} sequences but the cache holds {len(kv_lens)}")
+    short = [b for b, n in enumerate(lens) if n > kv_lens[b]]
     if short:
-        raise AttnccError(f"sequence {short[0]} has {lens[short[0]]} queries but only {cache.lengths()[short[0]]} "
+        raise AttnccError(f"sequence {short[0]} has {lens[short[0]]} queries but only {kv_lens[short[0]]} "
                           "cached tokens: append the queries' keys first (pass k and v)")
-    args = cache.kernel_args()
-    kv_lens = cache.lengths()[:batch]
+    kv_lens = kv_lens[:batch]
     _check_positions(compiled, q.shape[-2], batch, lens, kv_lens)
+    if k is not None:
+        cache.append(k, v, cu_seqlens=cu_seqlens_q)
+    args = cache.kernel_args()
     return run(compiled, q, args.pop("k"), args.pop("v"), batch=batch, packed=packed, max_q_len=max_q,
                max_kv_len=max(kv_lens, default=0), cu_q=cu_q, return_lse=return_lse, **args)
 
@@ -214,7 +216,7 @@ def varlen(compiled, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, ma
         raise AttnccError("query, key and value must share one dtype and device")
     if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise AttnccError(f"shapes do not fit: query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
-    _no_grad(q, k, v)
+    _no_grad(q, k, v, *[c.tensor for c in compiled.variant.captures])
     cu_q, lens_q = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
     cu_kv, lens_kv = _cu(cu_seqlens_kv, q.device, "cu_seqlens_kv", k.shape[0])
     if len(lens_q) != len(lens_kv):
@@ -260,9 +262,11 @@ def _check_positions(compiled, heads: int, batch: int, q_lens: list, kv_lens: li
 
 
 def _no_grad(*tensors):
+    """The inference kernels have no backward: refuse inputs or captured tensors that want one."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise AttnccError("attncc's KV-cache and varlen kernels are forward-only (inference): call them under "
-                          "torch.no_grad() / torch.inference_mode(), or use attncc.attention for training")
+        raise AttnccError("attncc's KV-cache and varlen kernels are forward-only (inference), but an input or a "
+                          "captured tensor requires grad: call them under torch.no_grad() / "
+                          "torch.inference_mode(), or use attncc.attention for training")
 
 
 def merge_states(o_a, lse_a, o_b=None, lse_b=None):

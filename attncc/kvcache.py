@@ -76,10 +76,9 @@ class _Cache:
 
     cache_seqlens = seqlens  # FlashAttention's name for it
 
-    def append(self, k, v=None, cu_seqlens=None) -> None:
-        """Write new tokens after each sequence's last one: k, v (batch, new_len, kv_heads, dim)
-        or packed (total, kv_heads, dim) with cu_seqlens (batch + 1 offsets, varlen). With
-        value_from_key the values are part of k and v is not given."""
+    def lengths_after(self, k, v=None, cu_seqlens=None) -> list:
+        """Check new tokens as ``append`` takes them and return every sequence's length after
+        that append, changing nothing."""
         _check_new("k", k, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         if self.value_from_key:
             if v is not None:
@@ -91,22 +90,32 @@ class _Cache:
             if v.shape[:-1] != k.shape[:-1]:
                 raise AttnccError(f"k and v must have the same tokens, got {tuple(k.shape)} and {tuple(v.shape)}")
         new = _new_lengths(k, cu_seqlens)
-        while len(self._lens) < len(new):
-            self._add_sequence()
-        grow = {b: self._lens[b] + n for b, n in enumerate(new) if n}
-        self._reserve(grow)  # all or nothing: a failed append leaves the cache as it was
+        self._check_batch(len(new))
+        old = self._lens + [0] * (len(new) - len(self._lens))
+        return [n + (new[b] if b < len(new) else 0) for b, n in enumerate(old)]
+
+    def append(self, k, v=None, cu_seqlens=None) -> None:
+        """Write new tokens after each sequence's last one: k, v (batch, new_len, kv_heads, dim)
+        or packed (total, kv_heads, dim) with cu_seqlens (batch + 1 offsets, varlen). With
+        value_from_key the values are part of k and v is not given. All or nothing: a failed
+        append leaves the cache as it was."""
+        after = self.lengths_after(k, v, cu_seqlens)
+        before = self._lens + [0] * (len(after) - len(self._lens))
+        self._reserve({b: n for b, (n, m) in enumerate(zip(after, before)) if n != m}, len(after))
         seq, pos = [], []
-        for b, n in enumerate(new):
-            seq += [b] * n
-            pos += range(self._lens[b], self._lens[b] + n)
+        for b, (n, m) in enumerate(zip(after, before)):
+            seq += [b] * (n - m)
+            pos += range(m, n)
         if seq:
             outer, slot = self._locate(seq, pos)
             self._k[outer, :, slot] = k.reshape(-1, self.num_kv_heads, self.head_dim)
             if not self.value_from_key:
                 self._v[outer, :, slot] = v.reshape(-1, self.num_kv_heads, self.head_dim_v)
-        for b, n in enumerate(new):
-            self._lens[b] += n
+        self._lens = after
         self._lens_dev = None
+
+    def _check_batch(self, n: int) -> None:
+        """Raise if the cache cannot hold n sequences."""
 
     def _views(self):
         """Keys and values as the kernel's 4-d (outer, kv_heads, tokens, dim) views."""
@@ -139,11 +148,12 @@ class KVCache(_Cache):
     def v(self) -> torch.Tensor:
         return self._k[..., :self.head_dim_v] if self.value_from_key else self._v
 
-    def _add_sequence(self):
-        raise AttnccError(f"this KVCache holds {len(self._lens)} sequences; appended keys have more "
-                          "(create the cache with a larger batch)")
+    def _check_batch(self, n: int) -> None:
+        if n > len(self._lens):
+            raise AttnccError(f"this KVCache holds {len(self._lens)} sequences; appended keys have {n} "
+                              "(create the cache with a larger batch)")
 
-    def _reserve(self, grow: dict):
+    def _reserve(self, grow: dict, n_seqs: int):
         for b, length in grow.items():
             if length > self.max_len:
                 raise AttnccError(f"KVCache overflow: sequence {b} would hold {length} tokens but max_len is "
@@ -200,18 +210,18 @@ class PagedKVCache(_Cache):
     def free_pages(self) -> int:
         return len(self._free)
 
-    def _add_sequence(self):
-        self._lens.append(0)
-        self._pages.append([])
-
-    def _reserve(self, grow: dict):
-        need = {b: max(-(-length // self.page_size) - len(self._pages[b]), 0) for b, length in grow.items()}
+    def _reserve(self, grow: dict, n_seqs: int):
+        """Take pages for sequences growing to the given lengths, for n_seqs sequences in all
+        (new ones included)."""
+        have = lambda b: len(self._pages[b]) if b < len(self._pages) else 0
+        need = {b: max(-(-length // self.page_size) - have(b), 0) for b, length in grow.items()}
         if sum(need.values()) > len(self._free):
             short = ", ".join(f"sequence {b} needs {n} more" for b, n in need.items() if n)
             raise AttnccError(
                 f"PagedKVCache out of pages: {short} page(s) of {self.page_size} tokens but {len(self._free)} "
                 f"of {self.num_pages} are free; free finished sequences with cache.free(b) or create the cache "
                 "with more pages")
+        self._pages += [[] for _ in range(n_seqs - len(self._pages))]
         for b, n in need.items():
             self._pages[b] += self._free[:n]
             del self._free[:n]

@@ -163,7 +163,10 @@ def test_paged_cache_errors_and_free():
     three = attncc.PagedKVCache(3, 16, 1, 16, torch.float32, "cpu")  # 2 + 2 pages needed, 3 free: none taken
     with pytest.raises(attncc.AttnccError, match="out of pages"):
         three.append(torch.randn(2, 20, 1, 16), torch.randn(2, 20, 1, 16))
-    assert three.free_pages == 3 and three.lengths() == [0, 0]
+    assert three.free_pages == 3 and three.lengths() == []
+    three.append(torch.randn(5, 1, 16), torch.randn(5, 1, 16), cu_seqlens=torch.tensor([0, 0, 5]))
+    assert three.lengths() == [0, 5] and three.block_table.shape[0] == 2  # an empty sequence has a row too
+    three.free(0)
     flat = attncc.KVCache(1, 8, 1, 16, torch.float32, "cpu")
     with pytest.raises(attncc.AttnccError, match="KVCache overflow: sequence 0 would hold 9 tokens but max_len is 8"):
         flat.append(torch.randn(1, 9, 1, 16), torch.randn(1, 9, 1, 16))
@@ -183,6 +186,14 @@ def test_kvcache_input_errors():
         attncc.attention_with_kvcache(q, cache, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16))
     with pytest.raises(attncc.AttnccError, match="cache must be an attncc.KVCache"):
         attncc.attention_with_kvcache(q, "cache")
+    slopes = torch.rand(4, requires_grad=True)  # a learnable capture would silently get no gradient
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    with pytest.raises(attncc.AttnccError, match="captured tensor requires grad"):
+        attncc.attention_with_kvcache(q.detach(), cache, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16),
+                                      score_mod=alibi)
+    assert cache.lengths() == [0, 0]  # a refused call appends nothing
 
 
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi", "document"])
