@@ -11,6 +11,7 @@ from . import autograd, cache, codegen, config, inference, ir, plan, runtime
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes import symbolic
+from .checks import MAX_HEAD_DIM
 from .errors import AttnccError
 from .variant import Variant
 
@@ -114,6 +115,11 @@ class CompiledAttention:
         """Generated Triton source of one kernel ('fwd') under a specialisation."""
         if kernel not in KERNELS:
             raise AttnccError(f"unknown kernel {kernel!r}; attncc generates {', '.join(KERNELS)}")
+        dv = head_dim_v or head_dim
+        limits = (inference.MAX_HEAD_DIM, inference.MAX_HEAD_DIM_V) if kernel == "kv" else (MAX_HEAD_DIM,) * 2
+        if not (1 <= head_dim <= limits[0] and 1 <= dv <= limits[1]):
+            raise AttnccError(f"head dims {head_dim} / {dv} are outside what the {kernel} kernel takes "
+                              f"(query/key 1..{limits[0]}, value 1..{limits[1]})")
         if target is None:
             target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
         spec = plan.Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, api, cache, checks, config, ir, plan, reference, runtime
+from . import __version__, api, cache, config, inference, ir, plan, reference, runtime
 from .errors import AttnccError
 from .variant import Variant
 
@@ -375,9 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmd["show"].add_argument("--kernel", choices=api.KERNELS, default="fwd", help="(default fwd)")
     for c in (cmd["show"], cmd["bench"]):
         c.add_argument("--dtype", choices=DTYPES, default="bf16", help="(default bf16)")
-        c.add_argument("--head-dim", type=_int_in("head dim", 1, checks.MAX_HEAD_DIM), default=128,
+        # training kernels take head dims up to 256, the inference kernel (kv) up to 1024 / 512
+        c.add_argument("--head-dim", type=_int_in("head dim", 1, inference.MAX_HEAD_DIM), default=128,
                        help="query/key head dim (default 128)")
-        c.add_argument("--head-dim-v", type=_int_in("head dim", 1, checks.MAX_HEAD_DIM), help="(default: --head-dim)")
+        c.add_argument("--head-dim-v", type=_int_in("head dim", 1, inference.MAX_HEAD_DIM_V),
+                       help="(default: --head-dim)")
         c.add_argument("--gqa", type=_int_in("GQA group"), default=1, help="query heads per K/V head (default 1)")
     explain = cmd["explain"]
     explain.add_argument("--mask-ascii", action="store_true", help="print the mask's tiles: '#' full, '+' partial, "

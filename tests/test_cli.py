@@ -180,8 +180,10 @@ def test_cache_clear_leaves_other_files(tmp_path, monkeypatch):
     (["show", "{mods}:variant+causal"], "only mod functions can be joined"),
     (["show", "{mods}:causal", "--kernel", "dq"], "invalid choice: 'dq'"),
     (["show", "{mods}:causal", "--dtype", "fp8"], "invalid choice: 'fp8'"),
-    (["show", "{mods}:causal", "--head-dim", "0"], "head dim 0 is outside 1..256"),
-    (["show", "{mods}:causal", "--head-dim", "512"], "head dim 512 is outside 1..256"),
+    (["show", "{mods}:causal", "--head-dim", "0"], "head dim 0 is outside 1..1024"),
+    (["show", "{mods}:causal", "--head-dim", "2048"], "head dim 2048 is outside 1..1024"),
+    (["show", "{mods}:causal", "--head-dim", "512"], "head dims 512 / 512 are outside what the fwd kernel takes"),
+    (["show", "{mods}:causal", "--kernel", "kv", "--head-dim-v", "1024"], "head dim 1024 is outside 1..512"),
     (["show", "{mods}:causal", "--head-dim-v", "x"], "head dim must be an integer"),
     (["show", "{mods}:causal", "--gqa", "0"], "GQA group 0"),
     (["explain", "{mods}:causal", "--tile", "64x"], "tile must be"),
@@ -197,6 +199,13 @@ def test_bad_arguments(capsys, mods, tmp_path, argv, message):
                                         "    return False\n")
     fill = lambda s: s.format(mods=mods, dir=tmp_path)  # noqa: E731
     assert fill(message) in error_line(capsys, *map(fill, argv))
+
+
+def test_show_inference_kernel_for_mla_dims(capsys, mods):
+    """The inference kernel takes MLA's head dims (576 = 512 + 64 for q/k, 512 for v)."""
+    code, out, _ = run(capsys, "show", f"{mods}:causal", "--kernel", "kv", "--head-dim", "576", "--head-dim-v", "512",
+                       "--gqa", "16")
+    assert code == 0 and "def attn_kv(" in out and "BLOCK_D=512, BLOCK_D2=64" in out and "GROUP=16" in out
 
 
 def test_help_has_examples(capsys):
