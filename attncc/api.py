@@ -4,15 +4,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import sympy
 import torch
 
-from . import autograd, cache, codegen, config, inference, ir, plan, runtime
-from .passes import bounds as bounds_pass
-from .passes import derive as derive_pass
-from .passes import symbolic
+from . import autograd, cache, codegen, config, inference, ir, runtime
 from .checks import MAX_HEAD_DIM
 from .errors import AttnccError
+from .spec import Spec
 from .variant import Variant
 
 KERNELS = tuple(codegen.TEMPLATES)
@@ -47,11 +44,11 @@ class CompiledAttention:
     def __repr__(self):
         return f"CompiledAttention({self.variant!r})"
 
-    def module(self, kernel: str, spec: plan.Spec):
+    def module(self, kernel: str, spec: Spec):
         """The loaded generated module of one kernel ('fwd' or 'bwd') under a Spec."""
         return self._path_and_module(kernel, spec)[1]
 
-    def bwd_spec(self, fwd_spec: plan.Spec, learnable: tuple, deterministic: bool = False) -> plan.Spec:
+    def bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool = False) -> Spec:
         """The backward's Spec: the forward's plus which captures need gradients."""
         for i in learnable:
             if self.variant.captures[i].kind != ir.FLOAT:
@@ -61,7 +58,7 @@ class CompiledAttention:
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
                                    deterministic=bool(deterministic and learnable))
 
-    def _path_and_module(self, kernel: str, spec: plan.Spec, load: bool = True):
+    def _path_and_module(self, kernel: str, spec: Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)
         hit = _loaded.get(k)
         # a source read (load=False) looks at the file again: `attncc cache clear` or a new
@@ -72,6 +69,7 @@ class CompiledAttention:
             path = cache.lookup_alias(kernel, v.ir_key, spec)  # a warm process skips the sympy passes
             if path is None:
                 path = cache.source_path(kernel, v.analysis.key, spec)
+                from . import plan  # sympy and the passes: only when a kernel is generated
                 path = cache.get_or_create(path, lambda: codegen.render(
                     plan.build(kernel, v.analysis, spec, v.captures)))
                 cache.write_alias(kernel, v.ir_key, spec, path)
@@ -122,12 +120,17 @@ class CompiledAttention:
                               f"(query/key 1..{limits[0]}, value 1..{limits[1]})")
         if target is None:
             target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
-        spec = plan.Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target)
+        spec = Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target)
         path, _ = self._path_and_module(kernel, spec, load=False)
         return path.read_text()
 
     def explain(self) -> str:
         """The IR, the simplified expressions and the derived facts, as text."""
+        import sympy
+
+        from .passes import bounds as bounds_pass
+        from .passes import derive as derive_pass
+        from .passes import symbolic
         v, a = self.variant, self.variant.analysis
         names = v.capture_names()
         lines = [f"attncc variant {v.name!r}", "", "IR (as traced):",
@@ -210,7 +213,7 @@ def dropout_mask(batch: int, heads: int, q_len: int, kv_len: int, dropout_p: flo
     device = torch.device(device)
     target = runtime.target_for(device)
     compiled = CompiledAttention(Variant())
-    module = compiled.module("fwd", plan.Spec("float32", 16, 16, 1, target, True))
+    module = compiled.module("fwd", Spec("float32", 16, 16, 1, target, True))
     keep = torch.empty(batch, heads, q_len, kv_len, dtype=torch.int8, device=device)
     if keep.numel():
         module.dropout_mask(keep, seed, offset, float(dropout_p))

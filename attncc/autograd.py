@@ -36,17 +36,18 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import blocks, plan, runtime
+from . import blocks, runtime
 from .checks import check_capture_indices, check_captures, check_qkv
 from .errors import AttnccError
 from .log import logger
+from .spec import Spec
 
 
 @dataclass
 class Launch:
     """What one call of the op needs to run a variant's kernels."""
     compiled: object        # CompiledAttention: gives the generated modules
-    spec: object            # plan.Spec of the forward
+    spec: object            # Spec of the forward
     scale: float
     rng: tuple = ()         # (seed, offset, dropout_p) when dropout is on
     deterministic: bool = False
@@ -113,7 +114,7 @@ def lookup(key: str):
 def _launch(compiled, q, k, v, rng, scale, dropout_p, deterministic) -> Launch:
     dtype = str(q.dtype).removeprefix("torch.")
     dropout = rng is not None
-    spec = plan.Spec(dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], runtime.target_for(q.device),
+    spec = Spec(dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], runtime.target_for(q.device),
                      dropout)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     seeds = (*rng.tolist(), dropout_p) if dropout else ()

@@ -4,9 +4,12 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-import jinja2
+from typing import TYPE_CHECKING
 
-from .plan import KernelPlan
+if TYPE_CHECKING:
+    import jinja2
+
+    from .plan import KernelPlan
 
 TEMPLATES = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja", "kv": "attn_kv.py.jinja"}
 
@@ -22,6 +25,7 @@ def template_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
+    import jinja2
     return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                               autoescape=False)

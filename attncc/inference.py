@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import plan, runtime
+from . import runtime
 from .checks import DTYPES, check_capture_indices, check_captures, check_index_ranges, check_qkv
 from .errors import AttnccError
 from .kvcache import KV_LENS_CU, KV_LENS_FIXED, _Cache
+from .spec import Spec
 
 DECODE_MAX_Q = 16  # attncc.attention switches to the decode kernel up to this many queries ...
 DECODE_MIN_KV = 256  # ... when there are at least this many keys (and no gradient or dropout)
@@ -48,7 +49,7 @@ def _setup(compiled, dtype, d, dv, group, device) -> _Setup:
     s = _setups.get(key)
     if s is None:
         target = runtime.target_for(device)
-        spec = plan.Spec(_DTYPE_NAMES[dtype], d, dv, group, target)
+        spec = Spec(_DTYPE_NAMES[dtype], d, dv, group, target)
         interpret = target == "interpreter"
         sms = _INTERPRETER_SMS if interpret else torch.cuda.get_device_properties(device).multi_processor_count
         s = _setups[key] = _Setup(compiled.module("kv", spec), group, sms, interpret,
@@ -299,6 +300,6 @@ def merge_states(o_a, lse_a, o_b=None, lse_b=None):
     if out.numel():
         from .api import CompiledAttention
         from .variant import Variant
-        module = CompiledAttention(Variant()).module("kv", plan.Spec("float32", 16, 16, 1, target))
+        module = CompiledAttention(Variant()).module("kv", Spec("float32", 16, 16, 1, target))
         module.merge(part_o, part_lse, out, lse)
     return out.to(dtype).view(shape), lse.view(shape[:-1])

@@ -11,25 +11,11 @@ from .log import logger
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import H, KV, Q, SCORE
+from .spec import Spec  # noqa: F401  (re-exported: plan.Spec)
 from .variant import Analysis
 
 # the outer tile's first and last index, as the kernels name them
 Q_LO, Q_HI, KV_LO, KV_HI = sp.symbols("q_lo q_hi kv_lo kv_hi", integer=True)
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a kernel is specialised on: everything else (B, lengths, strides, scale) is runtime."""
-    dtype: str        # "float16" | "bfloat16" | "float32"
-    head_dim: int
-    head_dim_v: int
-    group: int        # query heads per K/V head (1: MHA)
-    target: str       # "interpreter" or "cuda-sm90" etc.
-    dropout: bool = False    # dropout_p > 0 in training: the RNG is compiled in (else compiled out)
-    learnable: tuple = ()    # bwd: numbers of the float captures that need a gradient
-    atomic_dq: bool = False  # bwd: dq by atomics (measured alternative to the dq kernel)
-    deterministic: bool = False  # bwd: capture gradients in order-independent fixed point
-    shrink: int = 0          # > 0 after the chosen tiles ran out of shared memory: smaller tiles
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,18 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 
-import sympy as sp
+from typing import TYPE_CHECKING
 
 from . import ir
 from .errors import AttnccError
 from .log import logger
-from .passes import facts as facts_pass
-from .passes import ranges, symbolic
+from .passes import ranges
 from .trace import trace
+
+if TYPE_CHECKING:  # sympy and the passes load with the first analysis, not at import
+    import sympy as sp
+
+    from .passes import facts as facts_pass
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ def check_scale(scale):
 
 
 def _simplified(root: ir.Node, capture_index: dict) -> sp.Basic:
+    import sympy as sp
+
+    from .passes import symbolic
     try:
         return symbolic.canonicalize(symbolic.to_sympy(root, capture_index))
     except ZeroDivisionError:  # sympy's Mod(x, 0)
@@ -53,6 +60,9 @@ def _simplified(root: ir.Node, capture_index: dict) -> sp.Basic:
 def _divides_by_zero(e) -> bool:
     """The simplified expression holds a division by zero: 1/0 (zoo), 0/0 (nan) or an integer
     division or remainder by 0 that sympy keeps whole."""
+    import sympy as sp
+
+    from .passes import symbolic
     if e is sp.zoo or e is sp.nan:
         return True
     if not isinstance(e, sp.Basic):
@@ -114,6 +124,10 @@ class Variant:
     def analysis(self) -> Analysis:
         """The sympy passes' results (simplified expressions, derived facts, canonical key); run
         once, on the first kernel this variant generates."""
+        import sympy as sp
+
+        from .passes import facts as facts_pass
+        from .passes import symbolic
         start = time.perf_counter()
         index = {c: i for i, c in enumerate(self.captures)}
         score = _simplified(self.score_ir, index)

@@ -1,0 +1,20 @@
+"""Spec: what a generated kernel is specialised on. Kept apart from plan.py (sympy, the
+passes) so that a call whose kernel is already generated never imports them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a kernel is specialised on: everything else (B, lengths, strides, scale) is runtime."""
+    dtype: str        # "float16" | "bfloat16" | "float32"
+    head_dim: int
+    head_dim_v: int
+    group: int        # query heads per K/V head (1: MHA)
+    target: str       # "interpreter" or "cuda-sm90" etc.
+    dropout: bool = False    # dropout_p > 0 in training: the RNG is compiled in (else compiled out)
+    learnable: tuple = ()    # bwd: numbers of the float captures that need a gradient
+    atomic_dq: bool = False  # bwd: dq by atomics (measured alternative to the dq kernel)
+    deterministic: bool = False  # bwd: capture gradients in order-independent fixed point
+    shrink: int = 0          # > 0 after the chosen tiles ran out of shared memory: smaller tiles
