@@ -261,3 +261,22 @@ def test_capture_too_small_for_cache_positions():
     with pytest.raises(attncc.AttnccError, match="too small"):
         with torch.no_grad():
             attncc.attention_with_kvcache(torch.randn(1, 1, 1, 16), cache, score_mod=bias)
+
+
+def test_generated_inference_kernel_snapshot():
+    """The kv kernel's source: slopes[h] loaded once per program (h is a per-row vector there),
+    mask code only in the first and last tile loops, the head dim 80 split as 64 + 16."""
+    slopes = torch.rand(8)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    src = attncc.compile(attncc.Variant(alibi, causal_mask)).source("kv", torch.float16, head_dim=80, gqa=4)
+    kernel = src[src.index("def attn_kv("):src.index("def merge_splits(")]
+    before, loops = kernel.split("for start_n in range(lo, full_lo, BLOCK_N)")
+    masked, unmasked_and_last = loops.split("for start_n in range(full_lo, full_hi, BLOCK_N)")
+    unmasked, last = unmasked_and_last.split("for start_n in range(full_hi, hi, BLOCK_N)")
+    assert "tl.load(cap0_ptr + (h).to(tl.int64)" in before and "cap0_ptr" not in loops
+    assert "keep = (q_idx >= kv_idx)" in masked and "keep = (q_idx >= kv_idx)" in last
+    assert "keep" not in unmasked and "col_ok" not in unmasked
+    assert "BLOCK_D=64, BLOCK_D2=16" in src and "GROUP=4" in src
+    assert "h = h_kv * GROUP + (rows % GROUP)[:, None]" in kernel  # GQA packing: one K/V read per group
