@@ -114,8 +114,7 @@ def lookup(key: str):
 def _launch(compiled, q, k, v, rng, scale, dropout_p, deterministic) -> Launch:
     dtype = str(q.dtype).removeprefix("torch.")
     dropout = rng is not None
-    spec = Spec(dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], runtime.target_for(q.device),
-                     dropout)
+    spec = Spec(dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], runtime.target_for(q.device), dropout)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     seeds = (*rng.tolist(), dropout_p) if dropout else ()
     return Launch(compiled, spec, scale, seeds, deterministic)
@@ -240,9 +239,9 @@ def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training:
     """(out, lse) of ``compiled``'s variant; ``captures`` are the tensors its mods read."""
     variant = compiled.variant
     check_qkv(query, key, value, enable_gqa)
-    if any(t.device != query.device for t in captures):
+    if any(t.device != query.device or t.layout != torch.strided for t in captures):
         check_captures(variant.captures, query.device)  # names the tensor
-        raise AttnccError(f"captured tensors must be on the inputs' device {query.device}")
+        raise AttnccError(f"captured tensors must be dense and on the inputs' device {query.device}")
     dropout = training and variant.dropout_p > 0
     rng = draw_rng(generator) if dropout else None
     dropout_p = variant.dropout_p if dropout else 0.0

@@ -184,6 +184,7 @@ def with_kvcache(compiled, q, cache, k=None, v=None, *, cu_seqlens_q=None, max_s
     if v is not None and k is None:
         raise AttnccError("v was given without k: pass both new keys and values, or neither")
     _no_grad(q, *[c.tensor for c in compiled.variant.captures])
+    check_captures(compiled.variant.captures, q.device)
     if packed:
         cu_q, lens = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
         batch, max_q = len(lens), max_seqlen_q or max(lens, default=0)
@@ -218,6 +219,7 @@ def varlen(compiled, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, ma
     if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise AttnccError(f"shapes do not fit: query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
     _no_grad(q, k, v, *[c.tensor for c in compiled.variant.captures])
+    check_captures(compiled.variant.captures, q.device)
     cu_q, lens_q = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
     cu_kv, lens_kv = _cu(cu_seqlens_kv, q.device, "cu_seqlens_kv", k.shape[0])
     if len(lens_q) != len(lens_kv):

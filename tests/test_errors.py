@@ -501,6 +501,9 @@ def test_sparse_capture():
     variant = attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + table[q_idx, kv_idx])
     with pytest.raises(attncc.AttnccError, match=r"has layout torch.sparse_coo; .*capture t\.to_dense\(\) instead"):
         checks.check_captures(variant.captures, torch.device("cpu"))
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(attncc.AttnccError, match=r"has layout torch.sparse_coo"):  # and on the call path
+        attncc.compile(variant)(q, q, q)
 
 
 def test_triton_failures_on_generated_code_name_the_file():

@@ -186,6 +186,14 @@ def test_kvcache_input_errors():
         attncc.attention_with_kvcache(q, cache, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16))
     with pytest.raises(attncc.AttnccError, match="cache must be an attncc.KVCache"):
         attncc.attention_with_kvcache(q, "cache")
+    table = torch.zeros(64, device="meta")  # a captured tensor on another device than the cache
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+    with pytest.raises(attncc.AttnccError, match="is on meta but the inputs are on cpu"):
+        with torch.no_grad():
+            attncc.attention_with_kvcache(q.detach(), cache, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16),
+                                          score_mod=bias)
     slopes = torch.rand(4, requires_grad=True)  # a learnable capture would silently get no gradient
 
     def alibi(score, b, h, q_idx, kv_idx):
