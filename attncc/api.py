@@ -10,7 +10,7 @@ from . import autograd, cache, codegen, config, inference, ir, runtime
 from .checks import MAX_HEAD_DIM
 from .errors import AttnccError
 from .spec import Spec
-from .variant import Variant
+from .variant import Variant, check_dropout
 
 KERNELS = tuple(codegen.TEMPLATES)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -216,7 +216,7 @@ def dropout_mask(batch: int, heads: int, q_len: int, kv_len: int, dropout_p: flo
     module = compiled.module("fwd", Spec("float32", 16, 16, 1, target, True))
     keep = torch.empty(batch, heads, q_len, kv_len, dtype=torch.int8, device=device)
     if keep.numel():
-        module.dropout_mask(keep, seed, offset, float(dropout_p))
+        module.dropout_mask(keep, seed, offset, check_dropout(dropout_p))
     return keep.bool()
 
 

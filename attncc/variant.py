@@ -30,11 +30,14 @@ class Analysis:
     key: str                # canonical text: equal keys, equal kernels
 
 
-def _check_dropout(p) -> float:
+def check_dropout(p) -> float:
+    """``p`` rounded to a multiple of 2**-16 (at most 65535 / 65536), the probability the kernels
+    apply: they compare 16-bit random numbers, 8 per Philox call; the change is at most 7.6e-6.
+    AttnccError unless p is a number in [0, 1)."""
     if not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
         raise AttnccError(f"dropout_p must be a number in [0, 1), got {p!r}; it is the probability of "
                           "dropping an attention weight (0.0 turns dropout off)")
-    return float(p)
+    return min(round(float(p) * 65536), 65535) / 65536
 
 
 def check_scale(scale):
@@ -86,7 +89,7 @@ class Variant:
     follow FlexAttention; either may also be an ``attncc.ir`` expression. Tensors the mods
     read are captured by reference: changing their contents needs no new kernel. ``scale``
     defaults to 1/sqrt(head_dim). ``dropout_p`` applies in training calls (``training=False``
-    turns it off); ``deterministic=True`` makes gradients bitwise reproducible (the default dQ
+    turns it off), rounded to a multiple of 2**-16 (``check_dropout``); ``deterministic=True`` makes gradients bitwise reproducible (the default dQ
     kernel already is; it forbids the atomic dQ path).
 
     Construction traces the mods and checks everything that needs no inputs: the mods' arity,
@@ -99,7 +102,7 @@ class Variant:
                  deterministic=False):
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.scale = check_scale(scale)
-        self.dropout_p = _check_dropout(dropout_p)
+        self.dropout_p = check_dropout(dropout_p)
         self.deterministic = bool(deterministic)
         self.score_ir = ir.score if score_mod is None else trace(score_mod, "score_mod")
         self.mask_ir = None if mask_mod is None else trace(mask_mod, "mask_mod")

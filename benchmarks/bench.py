@@ -147,8 +147,8 @@ def timing_row(system, base, fwd_ms=None, fwdbwd_ms=None, note=None, **extra):
                 fwdbwd_tflops=3.5 * f / fwdbwd_ms / 1e9 if fwdbwd_ms else None, note=note, **extra)
 
 
-def bench_case(case, shape, warmup, rep):
-    """Rows of every system for one variant at one shape: check attncc, then time each system."""
+def bench_case(case, shape, warmup, rep, systems=SYSTEMS):
+    """Rows of each system for one variant at one shape: check attncc, then time each system."""
     B, H, N, D = shape
     Hkv = H // case.gqa
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -158,7 +158,7 @@ def bench_case(case, shape, warmup, rep):
     leaves = [q, k, v, *case.learnable]
     base = dict(variant=case.name, B=B, H=H, Hkv=Hkv, N=N, D=D, density=density(case.mask_mod, N, DEVICE))
     fns = {}
-    for system in SYSTEMS:
+    for system in systems:
         try:
             fns[system] = build(system, case, N)
         except Exception as e:  # a system that fails to build gets a note row, the others still run
@@ -176,7 +176,7 @@ def bench_case(case, shape, warmup, rep):
                      check_ok=all(e < TOL for e in errs.values()))
         break
     rows = []
-    for system in SYSTEMS:
+    for system in systems:
         fn, note = fns[system], None
         if fn is None:
             rows.append(timing_row(system, base, note=not_available(system, case)))
@@ -285,6 +285,9 @@ def parse_args(argv=None):
     p.add_argument("--only", help=f"comma-separated variants among: {', '.join(NAMES)}")
     p.add_argument("--shapes", type=shapes, help="comma-separated BxHxNxD (e.g. 4x16x4096x128,4x32x4096x64), "
                    "or none for first-call latency only")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated systems among: {', '.join(SYSTEMS)} (default all; attncc is checked "
+                   "against sdpa-flash or flex only when one of them runs)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (default 100)")
     p.add_argument("--latency", help="first-call latency for: all | none | VARIANT,... (default: the --only "
@@ -297,6 +300,9 @@ def parse_args(argv=None):
     args.names = args.only.split(",") if args.only else list(NAMES)
     lat = args.latency or (",".join(QUICK_LATENCY) if args.quick else ",".join(args.names))
     args.latency_names = [] if lat == "none" else list(NAMES) if lat == "all" else lat.split(",")
+    args.systems = args.systems.split(",")
+    if any(s not in SYSTEMS for s in args.systems):
+        p.error(f"unknown system in {','.join(args.systems)}; choose among {', '.join(SYSTEMS)}")
     bad = [n for n in dict.fromkeys(args.names + args.latency_names) if n not in NAMES]
     if bad:
         p.error(f"unknown variant(s) {', '.join(bad)}; choose among {', '.join(NAMES)}")
@@ -324,7 +330,7 @@ def main(argv=None):
         cases = make_cases(shape[1], shape[2], DEVICE)
         for name in args.names:
             if shape[1] % cases[name].gqa == 0:
-                rows += bench_case(cases[name], shape, args.warmup, args.rep)
+                rows += bench_case(cases[name], shape, args.warmup, args.rep, args.systems)
                 save(rows, env, path)  # after every case: a run cut short keeps what it measured
         print(f"-- {fmt_shape(shape)} done in {time.perf_counter() - t:.0f} s", flush=True)
     if args.latency_names:

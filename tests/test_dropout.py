@@ -40,6 +40,28 @@ def test_keep_rate_statistics():
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
 
 
+def test_every_lane_of_a_philox_call_keeps_at_rate_and_independently():
+    # one Philox call gives 8 neighbouring keys (two 16-bit numbers per 32-bit output)
+    p = 0.25
+    keep = attncc.dropout_mask(2, 4, 256, 256, p, seed=3, offset=5).reshape(-1, 8).float()
+    n = keep.shape[0]
+    sigma = ((p * (1 - p)) / n) ** 0.5
+    for lane in range(8):
+        assert abs(keep[:, lane].mean().item() - (1 - p)) < 5 * sigma, lane
+    for a, b in [(0, 1), (1, 2), (6, 7)]:  # halves of one word, and across words
+        both = (keep[:, a] * keep[:, b]).mean().item()
+        assert abs(both - (1 - p) ** 2) < 5 * (((1 - p) ** 2 * (1 - (1 - p) ** 2)) / n) ** 0.5, (a, b)
+
+
+def test_dropout_p_is_rounded_to_the_kernels_16_bit_grid():
+    assert attncc.Variant(dropout_p=0.1).dropout_p == 6554 / 65536
+    assert attncc.Variant(dropout_p=0.5).dropout_p == 0.5
+    assert attncc.Variant(dropout_p=0.9999999).dropout_p == 65535 / 65536  # stays below 1
+    # the mask applies the rounded probability exactly: threshold 1 of 65536 keeps u >= 1
+    keep = attncc.dropout_mask(1, 1, 64, 64, 1 / 65536, seed=1, offset=0)
+    assert keep.float().mean().item() > 0.99
+
+
 def test_reproducible_under_manual_seed_and_fresh_per_call():
     q, k, v = _inputs()
     torch.manual_seed(5)
