@@ -59,12 +59,17 @@ class CapGrad:
 
     ``reduce`` says which tile axes the index does not depend on, so they are summed in
     registers before the atomic add: "both" (e.g. slopes[h]), "kv" (index reads q_idx only),
-    "q" (index reads kv_idx only) or "none" (one atomic per score)."""
+    "q" (index reads kv_idx only), "diag" (index reads q_idx - kv_idx only: one atomic per
+    diagonal of the tile) or "none" (one atomic per score)."""
     capture: int
     label: str       # the mods output holding d score_mod / d load
     offset: str      # Triton text of the element offset into the gradient buffer
     mask: str        # Triton text: the index is in range (and its row / column exists)
     reduce: str
+    # "diag": the index reads q_idx - kv_idx only (a relative-position table), so each diagonal
+    # of the tile is summed first; offset and mask of the diagonal through (q_diag, kv_first)
+    diag_offset: str | None = None
+    diag_mask: str | None = None
 
 
 @dataclass(frozen=True)
@@ -228,19 +233,36 @@ def _describe(i, ndim, kind, cap, facts) -> str:
     return f"{label}{kind} tensor, {ndim}-d, read by {' and '.join(users) or 'nothing'}"
 
 
+def _offset_and_bounds(index, capture, printer_):
+    offset = " + ".join(f"({printer_.doprint(i)}).to(tl.int64) * dcap{capture}_stride{d}"
+                        for d, i in enumerate(index)) or "0"
+    bounds = [f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{capture}_size{d})"
+              for d, i in enumerate(index)]
+    return offset, bounds
+
+
+def _reads_difference_only(index) -> bool:
+    """Every index expression is unchanged by (q_idx, kv_idx) -> (q_idx + t, kv_idx + t)."""
+    t = sp.Symbol("t", integer=True)
+    return all(sp.simplify(i.subs({Q: Q + t, KV: KV + t}, simultaneous=True) - i) == 0 for i in index)
+
+
 def _cap_grad(g, j, printer_) -> CapGrad:
     index = g.load.args
-    offset = " + ".join(f"({printer_.doprint(i)}).to(tl.int64) * dcap{g.capture}_stride{d}"
-                        for d, i in enumerate(index)) or "0"
-    bounds = [f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{g.capture}_size{d})"
-              for d, i in enumerate(index)]
+    offset, bounds = _offset_and_bounds(index, g.capture, printer_)
     syms = set().union(*[i.free_symbols for i in index]) if index else set()
     reduce = {(False, False): "both", (True, False): "kv", (False, True): "q", (True, True): "none"}[
         (Q in syms, KV in syms)]
+    diag_offset = diag_mask = None
+    if reduce == "none" and _reads_difference_only(index):
+        reduce = "diag"
+        at = {Q: sp.Symbol("q_diag", integer=True), KV: sp.Symbol("kv_first", integer=True)}
+        diag_offset, diag_bounds = _offset_and_bounds([i.xreplace(at) for i in index], g.capture, printer_)
+        diag_mask = printer_.as_bool(" & ".join(diag_bounds))
     # rows / columns that exist: what the sum did not already fold away
-    valid = {"both": [], "kv": ["row_ok"], "q": ["col_ok"], "none": ["valid"]}[reduce]
+    valid = {"both": [], "kv": ["row_ok"], "q": ["col_ok"], "none": ["valid"], "diag": ["valid"]}[reduce]
     mask = printer_.as_bool(" & ".join(valid + bounds)) if valid + bounds else "None"
-    return CapGrad(g.capture, f"dcap{j}", offset, mask, reduce)
+    return CapGrad(g.capture, f"dcap{j}", offset, mask, reduce, diag_offset, diag_mask)
 
 
 def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPlan:

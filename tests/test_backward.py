@@ -3,6 +3,8 @@ import pytest
 import torch
 
 import attncc
+from attncc import plan
+from attncc.spec import Spec
 
 
 def _grads(fn, inputs, do, dlse=None):
@@ -93,6 +95,21 @@ def test_learnable_relative_bias_table():
     table = (0.5 * torch.randn(2, 2 * L + 1)).requires_grad_()
     check_grads(1, 2, 2, 50, 50, 16, 16, score_mod=lambda s, b, h, q, k: s + table[h, q - k + L],
                 mask_mod=causal, caps=(table,))
+
+
+@pytest.mark.parametrize("Lq, Lkv, group", [(50, 50, 1), (37, 70, 2), (70, 33, 1)])
+def test_learnable_relative_table_summed_per_diagonal(Lq, Lkv, group):
+    """Indices that read q_idx - kv_idx only take the per-diagonal reduction; the table is too
+    short for the farthest diagonals on purpose (they read 0 and get no gradient), and a
+    clamped bucket index maps many diagonals to one entry."""
+    table = (0.5 * torch.randn(4, 60)).requires_grad_()
+    buckets = (0.5 * torch.randn(4, 9)).requires_grad_()
+    mod = lambda s, b, h, q, k: (s + table[h, q - k + 30]
+                                 + buckets[h, torch.clamp(q - k, -4, 4) + 4])
+    check_grads(1, 4, 4 // group, Lq, Lkv, 16, 16, score_mod=mod, caps=(table, buckets))
+    grads = plan.build("bwd", attncc.Variant(mod).analysis, Spec("float32", 16, 16, 1, "interpreter",
+                                                                learnable=(0, 1))).grads
+    assert [g.reduce for g in grads] == ["diag", "diag"]
 
 
 def test_learnable_gate_and_bias_mixed_sites():
