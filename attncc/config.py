@@ -63,7 +63,9 @@ def atomic_dq() -> bool:
 
 def tile_overrides() -> dict:
     """$ATTNCC_TILES='{"attn_fwd": [128, 64, 8, 3]}': (block_m, block_n, num_warps, num_stages)
-    per kernel function, replacing attncc's choice (for tuning experiments)."""
+    per kernel function, replacing attncc's choice (for tuning experiments). The backward is one
+    launch: it takes num_warps and num_stages from attn_bwd_dkdv, and only block_m / block_n
+    from attn_bwd_dq."""
     import json
     text = os.environ.get("ATTNCC_TILES", "")
     return {k: tuple(v) for k, v in json.loads(text).items()} if text else {}
