@@ -56,7 +56,7 @@ class CompiledAttention:
                                   "not a float tensor; integer and bool captures are never differentiated")
         atomic = config.atomic_dq() and not deterministic
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
-                                   deterministic=bool(deterministic and learnable))
+                                   deterministic=bool(deterministic and learnable), tma="off")
 
     def _path_and_module(self, kernel: str, spec: Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)

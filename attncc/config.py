@@ -61,6 +61,24 @@ def atomic_dq() -> bool:
     return os.environ.get("ATTNCC_BWD_DQ", "kernel") == "atomic"
 
 
+TMA_MODES = ("auto", "on", "off")
+
+
+def tma() -> str:
+    """$ATTNCC_TMA = auto | on | off: how the forward kernel reads K and V tiles. ``auto``
+    (default): tensor descriptors (TMA) on GPUs that have them (compute capability 9.0+) when the
+    tensors' layout allows, pointers otherwise; ``on`` also in the Triton interpreter (tests);
+    ``off``: always pointers."""
+    mode = os.environ.get("ATTNCC_TMA")
+    if mode is None:
+        return "auto"
+    mode = mode.strip().lower() or "auto"
+    if mode not in TMA_MODES:
+        from .errors import AttnccError
+        raise AttnccError(f"ATTNCC_TMA={mode!r} is not one of {', '.join(TMA_MODES)}")
+    return mode
+
+
 def tile_overrides() -> dict:
     """$ATTNCC_TILES='{"attn_fwd": [128, 64, 8, 3]}': (block_m, block_n, num_warps, num_stages)
     per kernel function, replacing attncc's choice (for tuning experiments). The backward is one

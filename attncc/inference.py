@@ -25,8 +25,9 @@ MAX_HEAD_DIM, MAX_HEAD_DIM_V = 1024, 512  # the inference kernel splits D in two
 _INTERPRETER_SMS = 4  # the interpreter has no SMs; pretend a few so split-KV runs in CPU tests
 
 
-CTAS_PER_SM = 4  # split-KV aims at this many programs per SM (decode_sweep.py measures it)
-SPLIT_MIN_KV = 2048  # fewer keys: no split (a merge launch costs more than it saves)
+SPLIT_MIN_KV = 512  # fewer keys: no split (a merge launch costs more than it saves)
+SPLIT_MIN_TILES = 4  # each split reads at least this many key tiles, so that merging stays cheap
+SMEM_PER_SM = 227 * 1024  # shared memory a Hopper SM gives its resident programs
 PAGED_LONG_LOOP_STAGES = 5  # decode_sweep.py --paged 64 on an H200
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -57,16 +58,24 @@ def _setup(compiled, dtype, d, dv, group, device) -> _Setup:
     return s
 
 
-def num_splits(programs: int, max_kv_len: int, block_n: int, sms: int, interpret: bool = False) -> tuple:
-    """(splits, keys per split) for flash-decoding: about CTAS_PER_SM programs per SM, each
-    split keeping at least 4 key tiles so that merging stays cheap. Up to SPLIT_MIN_KV keys one
-    program per row tile is fast enough that the merge kernel's launch would cost more than it
-    saves. The interpreter splits from one tile on, so that CPU tests run the split path."""
-    min_tiles = 1 if interpret else 4
-    if max_kv_len < SPLIT_MIN_KV and not interpret:
+def resident_programs(block_n: int, d: int, dv: int, stages: int, itemsize: int) -> int:
+    """Decode programs one SM holds at once: its shared memory over the K/V tiles of the pipeline
+    (the decode kernel is small in registers; 4 programs is Triton's usual cap at 4 warps)."""
+    return max(1, min(4, SMEM_PER_SM // max(1, stages * block_n * (d + dv) * itemsize)))
+
+
+def num_splits(programs: int, max_kv_len: int, block_n: int, slots: int, interpret: bool = False) -> tuple:
+    """(splits, keys per split) for flash-decoding. ``slots``: programs the GPU runs at once (SMs
+    times resident programs). The splits fill one wave of slots, no more: a second, partly filled
+    wave costs a whole split's time (H200, B=1, 128k keys: 264 programs 66.6 us, 512 programs
+    76.1 us). Each split keeps at least SPLIT_MIN_TILES key tiles so that merging stays cheap;
+    below SPLIT_MIN_KV keys, or when the rows alone fill the GPU, one program per row tile. The
+    interpreter splits from one tile on, so that CPU tests run the split path."""
+    min_tiles = 1 if interpret else SPLIT_MIN_TILES
+    if (max_kv_len < SPLIT_MIN_KV and not interpret) or programs >= slots:
         return 1, None
     tiles = -(-max(max_kv_len, 1) // block_n)
-    splits = max(1, min(-(-CTAS_PER_SM * sms // max(programs, 1)), tiles // min_tiles, 256))
+    splits = max(1, min(slots // max(programs, 1), tiles // min_tiles, 256))
     if splits == 1:
         return 1, None
     split_len = -(-tiles // splits) * block_n
@@ -120,9 +129,10 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
         q4, k4, v4 = (t.float() if t.dtype == torch.bfloat16 else t for t in (q4, k4, v4))
         captures = runtime.interp_captures(captures)
     rows = max_q_len * s.group
-    block_m, block_n = s.module.tiles(rows)[:2]
+    block_m, block_n, _, stages = s.module.tiles(rows)
     programs = -(-rows // block_m) * batch * hkv
-    splits, split_len = num_splits(programs, max_kv_len, block_n, s.sms, s.interpret)
+    slots = s.sms * resident_programs(block_n, d, dv, stages, q.element_size())
+    splits, split_len = num_splits(programs, max_kv_len, block_n, slots, s.interpret)
     dummy = s.dummy
     paged = block_table is not None
     args = dict(batch=batch, max_q_len=max_q_len, cu_q=dummy if cu_q is None else cu_q, q_lens=cu_q is not None,

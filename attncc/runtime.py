@@ -49,6 +49,26 @@ def target_for(device: torch.device) -> str:
     return f"cuda-sm{major}{minor}"
 
 
+TMA_MAX_BLOCK = 256  # a tensor descriptor's box is at most 256 elements along each dim
+
+
+def use_tma(target: str, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Spec.tma of a forward call (config.tma): "auto" or "on" on a GPU with TMA (sm90+), "on" in
+    the interpreter only when forced, for tensors TMA can address (unit stride along the head
+    dim, 16-byte aligned start and other strides, head dims within one box); else "off"."""
+    mode = config.tma()
+    if mode == "off" or (target == "interpreter" and mode != "on"):
+        return "off"
+    if target != "interpreter" and int(target.removeprefix("cuda-sm")) < 90:
+        return "off"
+    for t in (k, v):
+        size = t.element_size()
+        if (t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1])
+                or t.shape[-1] > TMA_MAX_BLOCK):
+            return "off"
+    return mode
+
+
 def load(path: Path, interpret: bool):
     """Import a generated module (once per process); @triton.jit becomes the interpreter if asked."""
     key = (str(path), interpret)

@@ -1,7 +1,11 @@
-"""Sweep the decode kernel's tiles and split-KV target on one GPU (bf16, GQA 8:1, D=128, one query
+"""Sweep the decode kernel's tiles and split-KV settings on one GPU (bf16, GQA 8:1, D=128, one query
 token): prints, per shape, the time and share of copy bandwidth of each setting, best first.
 
     python benchmarks/decode_sweep.py [--shapes 1x16384,1x131072,8x16384,64x16384] [--paged 64]
+                                      [--tiles 16x64x4x3] [--resident 1,2,4] [--min-tiles 2,4]
+
+``--resident`` overrides the programs per SM the split count assumes (default: the estimate of
+attncc.inference.resident_programs); ``--min-tiles`` the fewest key tiles per split.
 """
 import argparse
 import json
@@ -13,7 +17,6 @@ import attncc
 from attncc import api, inference
 
 TILES = [(16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 4), (16, 128, 4, 3)]
-CTAS = [2, 4, 8, 16]
 
 
 def main():
@@ -21,7 +24,8 @@ def main():
     p.add_argument("--shapes", default="1x16384,1x65536,1x131072,8x16384,8x131072,64x16384,64x131072")
     p.add_argument("--paged", type=int, default=0, help="page size (0: contiguous)")
     p.add_argument("--tiles", default="", help="only these decode tiles, e.g. 16x64x4x3")
-    p.add_argument("--ctas", default="", help="only these split targets (programs per SM), e.g. 2,4")
+    p.add_argument("--resident", default="0", help="programs per SM for the split count (0: estimate), e.g. 1,2,4")
+    p.add_argument("--min-tiles", default=str(inference.SPLIT_MIN_TILES), help="fewest key tiles per split, e.g. 2,4")
     args = p.parse_args()
     from triton.testing import do_bench
     src = torch.empty(2**31, dtype=torch.int16, device="cuda")
@@ -31,7 +35,8 @@ def main():
     print(f"copy bandwidth {peak:.0f} GB/s")
     compiled = attncc.compile(attncc.Variant())
     tile_list = [tuple(map(int, s.split("x"))) for s in args.tiles.split(",")] if args.tiles else TILES
-    cta_list = [int(c) for c in args.ctas.split(",")] if args.ctas else CTAS
+    estimate = inference.resident_programs
+    settings = [(int(r), int(m)) for r in args.resident.split(",") for m in args.min_tiles.split(",")]
     for shape in args.shapes.split(","):
         B, L = map(int, shape.split("x"))
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -46,15 +51,17 @@ def main():
             os.environ["ATTNCC_TILES"] = json.dumps({"attn_kv_decode": tiles})
             api._loaded.clear()
             inference._setups.clear()
-            for ctas in cta_list:
-                inference.CTAS_PER_SM = ctas
+            for resident, min_tiles in settings:
+                inference.resident_programs = (lambda *a, r=resident: r) if resident else estimate
+                inference.SPLIT_MIN_TILES = min_tiles
                 with torch.no_grad():
                     ms = do_bench(lambda: compiled.with_kvcache(q, cache), warmup=20, rep=60)
-                results.append((ms, tiles, ctas))
+                results.append((ms, tiles, resident or "est", min_tiles))
         results.sort()
         print(f"\nB={B} Lkv={L} ({'paged ' + str(args.paged) if args.paged else 'contiguous'})")
-        for ms, tiles, ctas in results:
-            print(f"  {1e3 * ms:8.1f} us  {kv_bytes / ms / 1e6 / peak:5.0%} of copy BW  tiles={tiles} ctas/SM={ctas}")
+        for ms, tiles, resident, min_tiles in results:
+            print(f"  {1e3 * ms:8.1f} us  {kv_bytes / ms / 1e6 / peak:5.0%} of copy BW  tiles={tiles} "
+                  f"programs/SM={resident} min tiles/split={min_tiles}")
         del cache
         torch.cuda.empty_cache()
 

@@ -83,6 +83,64 @@ def test_variant_matches_reference(name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv):
     assert lse.shape == (B, Hq, Lq)
 
 
+TMA_CASES = [c for i, c in enumerate(CASES) if (c[0], c[1]) not in {(d[0], d[1]) for d in CASES[:i]}]
+
+
+@pytest.mark.parametrize("name,dt,B,Hq,Hkv,Lq,Lkv,D,Dv", [_param(c) for c in TMA_CASES])
+def test_tma_forward_matches_reference(monkeypatch, name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv):
+    """The forward that reads K and V through tensor descriptors (TMA, the default on Hopper GPUs),
+    forced on in the interpreter: every variant once per dtype, ragged lengths, GQA, padded D."""
+    from attncc import autograd
+    monkeypatch.setenv("ATTNCC_TMA", "on")
+    torch.manual_seed(zlib.crc32(repr(("tma", name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
+    score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cpu")
+    q, k, v = randn_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype=DTYPES[dt])
+    compiled = attncc.compile(attncc.Variant(score_mod, mask_mod))
+    assert compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec).TMA
+    check(q, k, v, score_mod, mask_mod, kernel=compiled, enable_gqa=Hq != Hkv)
+
+
+def test_tma_reads_transposed_views(monkeypatch):
+    """(B, L, H, D) views through descriptors: strides in any order, no copies."""
+    monkeypatch.setenv("ATTNCC_TMA", "on")
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, n, 3, 32).transpose(1, 2) for n in (45, 38, 38))
+    check(q, k, v, None, causal_mask)
+
+
+def test_tma_auto_only_where_it_measured_faster():
+    """ATTNCC_TMA=auto (GPU default): descriptors for score mods, data-dependent and banded masks;
+    plain full / causal attention keeps pointer loads."""
+    from attncc import plan
+    from attncc.spec import Spec
+    wanted = {"full": False, "causal": False, "prefix_lm": False, "alibi": True, "softcap": True,
+              "document": True, "sliding_window": True}
+    for name, want in wanted.items():
+        v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
+        p = plan.build("fwd", v.analysis, Spec("bfloat16", 64, 64, 1, "cuda-sm90", tma="auto"), v.captures)
+        assert p.tma == want, name
+        assert plan.build("fwd", v.analysis, Spec("bfloat16", 64, 64, 1, "cuda-sm90", tma="on"), v.captures).tma
+
+
+def test_use_tma_needs_a_layout_tma_can_address(monkeypatch):
+    from attncc import runtime
+    from attncc.errors import AttnccError
+    k = torch.randn(2, 4, 64, 64, dtype=torch.float16)
+    assert runtime.use_tma("interpreter", k, k) == "off"       # auto: GPUs only
+    assert runtime.use_tma("cuda-sm90", k, k) == "auto" and runtime.use_tma("cuda-sm80", k, k) == "off"
+    monkeypatch.setenv("ATTNCC_TMA", "on")
+    assert runtime.use_tma("interpreter", k, k) == "on"
+    wide = torch.randn(2, 4, 64, 72, dtype=torch.float16)
+    assert runtime.use_tma("interpreter", wide[..., 1:65], k) == "off"              # start not 16-byte aligned
+    assert runtime.use_tma("interpreter", torch.randn(2, 4, 64, 4, dtype=torch.float16), k) == "off"  # 8-byte rows
+    assert runtime.use_tma("interpreter", k.transpose(2, 3), k) == "off"            # head dim not unit stride
+    monkeypatch.setenv("ATTNCC_TMA", "off")
+    assert runtime.use_tma("cuda-sm90", k, k) == "off"
+    monkeypatch.setenv("ATTNCC_TMA", "sometimes")
+    with pytest.raises(AttnccError, match="ATTNCC_TMA"):
+        runtime.use_tma("cuda-sm90", k, k)
+
+
 def test_bf16_on_cpu():
     torch.manual_seed(0)
     score_mod, mask_mod = BUILDERS["alibi"](2, 4, 50, 70, "cpu")

@@ -46,12 +46,26 @@ def test_decode_kernel(name, lq, lkv, hq, hkv):
 
 def test_decode_splits_are_used():
     """The CPU tests must exercise the split-KV path and its merge."""
-    splits, split_len = inference.num_splits(programs=2, max_kv_len=300, block_n=32, sms=4, interpret=True)
+    splits, split_len = inference.num_splits(programs=2, max_kv_len=300, block_n=32, slots=16, interpret=True)
     assert splits > 1 and split_len % 32 == 0 and (splits - 1) * split_len < 300 <= splits * split_len
-    # on a GPU: no split for short contexts, many for long ones, each split a multiple of the tile
-    assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, sms=132) == (1, None)
-    splits, split_len = inference.num_splits(programs=4, max_kv_len=131072, block_n=64, sms=132)
-    assert splits >= 64 and split_len % 64 == 0 and (splits - 1) * split_len < 131072 <= splits * split_len
+    # on a GPU (132 SMs, 2 programs each): no split for short contexts or when the rows fill the
+    # GPU; otherwise one wave of programs, each split a multiple of the tile
+    assert inference.num_splits(programs=4, max_kv_len=256, block_n=64, slots=264) == (1, None)
+    assert inference.num_splits(programs=264, max_kv_len=131072, block_n=64, slots=264) == (1, None)
+    for programs, kv in [(4, 1024), (4, 131072), (32, 16384), (100, 5000)]:
+        splits, split_len = inference.num_splits(programs=programs, max_kv_len=kv, block_n=64, slots=264)
+        assert splits > 1 and programs * splits <= 264, (programs, kv, splits)
+        assert split_len % 64 == 0 and split_len >= 64 * inference.SPLIT_MIN_TILES
+        assert (splits - 1) * split_len < kv <= splits * split_len
+    # one wave: B=1 with 4 K/V heads over 128k keys gets 64 splits of 2048 keys
+    assert inference.num_splits(programs=4, max_kv_len=131072, block_n=64, slots=264) == (64, 2048)
+
+
+def test_resident_programs():
+    """Shared memory bounds the decode programs per SM (bf16, 64-key tiles, D=128, 3 stages: 2)."""
+    assert inference.resident_programs(64, 128, 128, 3, 2) == 2
+    assert inference.resident_programs(64, 128, 128, 5, 2) == 1
+    assert inference.resident_programs(32, 64, 64, 2, 2) == 4
 
 
 def test_attention_dispatches_to_decode(monkeypatch):
