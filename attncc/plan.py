@@ -189,14 +189,15 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "n
     return t
 
 
-def tma_pays(facts, block_sparse: bool, mask_class: str) -> bool:
-    """Whether the forward reads K/V through tensor descriptors under ATTNCC_TMA=auto: for a
-    score_mod, a data-dependent mask or a banded mask, where it measured faster; plain full and
-    causal attention stay on pointer loads. H200, bf16, forward ms pointers -> TMA: ALiBi-causal
-    0.285 -> 0.259 (16x16x1024x128), 0.773 -> 0.687 (4x16x4096x128); sliding window 0.371 -> 0.330;
-    document mask 0.370 -> 0.314 (4x32x4096x64); softcap 0.785 -> 0.746; but full 1.119 -> 1.154,
-    full at D=64 1.301 -> 1.392, GQA causal at D=64 0.718 -> 0.765."""
-    return not facts.score_identity or block_sparse or mask_class == "banded"
+def tma_pays(facts, block_sparse: bool, mask_class: str, head_dim: int) -> bool:
+    """Whether the forward reads K/V through tensor descriptors under ATTNCC_TMA=auto: where it
+    measured faster, for data-dependent and banded masks, and for score mods at head dims above
+    64. H200, bf16, forward ms pointers -> TMA: document mask 0.370 -> 0.314 (4x32x4096x64),
+    sliding window 0.371 -> 0.330 (4x16x4096x128), ALiBi-causal 0.773 -> 0.687, softcap 0.785 ->
+    0.746, relative bias 1.741 -> 1.662; slower: full 1.119 -> 1.154, causal 0.645 -> 0.662,
+    dropout 0.997 -> 1.058, prefix-LM 0.664 -> 0.687, and at D=64 full 1.301 -> 1.392, relative
+    bias 2.400 -> 2.524 (softcap 0.98x, ALiBi 1.07x)."""
+    return block_sparse or mask_class == "banded" or (not facts.score_identity and head_dim > 64)
 
 
 def _base_tiles(fn: str, spec: Spec) -> Tiles:
@@ -330,7 +331,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         bounds=tile_bounds, grads=grads,
         atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
         split_d=split_dim(spec.head_dim),
-        tma=kernel == "fwd" and (spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class))),
+        tma=kernel == "fwd" and (spec.tma == "on" or (spec.tma == "auto" and tma_pays(
+            f, block_sparse, mask_class, max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))))),
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)))
 
 

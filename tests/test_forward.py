@@ -109,16 +109,18 @@ def test_tma_reads_transposed_views(monkeypatch):
 
 
 def test_tma_auto_only_where_it_measured_faster():
-    """ATTNCC_TMA=auto (GPU default): descriptors for score mods, data-dependent and banded masks;
-    plain full / causal attention keeps pointer loads."""
+    """ATTNCC_TMA=auto (GPU default): descriptors for data-dependent and banded masks, and for
+    score mods above head dim 64; plain full / causal / prefix-LM attention keeps pointer loads."""
     from attncc import plan
     from attncc.spec import Spec
-    wanted = {"full": False, "causal": False, "prefix_lm": False, "alibi": True, "softcap": True,
-              "document": True, "sliding_window": True}
+    wanted = {"full": (False, False), "causal": (False, False), "prefix_lm": (False, False),
+              "alibi": (True, False), "softcap": (True, False), "document": (True, True),
+              "sliding_window": (True, True)}  # (head dim 128, head dim 64)
     for name, want in wanted.items():
         v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
-        p = plan.build("fwd", v.analysis, Spec("bfloat16", 64, 64, 1, "cuda-sm90", tma="auto"), v.captures)
-        assert p.tma == want, name
+        got = tuple(plan.build("fwd", v.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90", tma="auto"), v.captures).tma
+                    for d in (128, 64))
+        assert got == want, name
         assert plan.build("fwd", v.analysis, Spec("bfloat16", 64, 64, 1, "cuda-sm90", tma="on"), v.captures).tma
 
 
