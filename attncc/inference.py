@@ -25,7 +25,9 @@ MAX_HEAD_DIM, MAX_HEAD_DIM_V = 1024, 512  # the inference kernel splits D in two
 _INTERPRETER_SMS = 4  # the interpreter has no SMs; pretend a few so split-KV runs in CPU tests
 
 
-SPLIT_MIN_KV = 512  # fewer keys: no split (a merge launch costs more than it saves)
+# fewer keys: no split. Splitting 1024 keys at B=1 runs 13.6 instead of 23.2 us from a CUDA graph
+# (H200), but the extra buffers and merge launch cost ~37 us of Python per eager call
+SPLIT_MIN_KV = 2048
 SPLIT_MIN_TILES = 4  # each split reads at least this many key tiles, so that merging stays cheap
 SMEM_PER_SM = 227 * 1024  # shared memory a Hopper SM gives its resident programs
 PAGED_LONG_LOOP_STAGES = 5  # decode_sweep.py --paged 64 on an H200
@@ -131,10 +133,13 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
     rows = max_q_len * s.group
     block_m, block_n, _, stages = s.module.tiles(rows)
     programs = -(-rows // block_m) * batch * hkv
-    slots = s.sms * resident_programs(block_n, d, dv, stages, q.element_size())
-    splits, split_len = num_splits(programs, max_kv_len, block_n, slots, s.interpret)
-    dummy = s.dummy
     paged = block_table is not None
+    # the split count must not depend on the cache's layout: contiguous and paged caches give
+    # bit-identical results (a paged cache alone would run faster with one more program per SM:
+    # H200, B=8, 128k keys, 64-token pages 537.7 -> 489.5 us)
+    resident = resident_programs(block_n, d, dv, stages, q.element_size())
+    splits, split_len = num_splits(programs, max_kv_len, block_n, s.sms * resident, s.interpret)
+    dummy = s.dummy
     args = dict(batch=batch, max_q_len=max_q_len, cu_q=dummy if cu_q is None else cu_q, q_lens=cu_q is not None,
                 kv_lens=dummy if kv_lens is None else kv_lens, kv_mode=kv_mode,
                 block_table=dummy if block_table is None else block_table, paged=paged,

@@ -1,5 +1,6 @@
 """Sweep the decode kernel's tiles and split-KV settings on one GPU (bf16, GQA 8:1, D=128, one query
-token): prints, per shape, the time and share of copy bandwidth of each setting, best first.
+token): prints, per shape, the time of a decode step replayed from a CUDA graph (the kernels
+alone, as a serving loop runs them) and its share of copy bandwidth, best first.
 
     python benchmarks/decode_sweep.py [--shapes 1x16384,1x131072,8x16384,64x16384] [--paged 64]
                                       [--tiles 16x64x4x3] [--resident 1,2,4] [--min-tiles 2,4]
@@ -15,6 +16,7 @@ import torch
 
 import attncc
 from attncc import api, inference
+from decode import bench_graph
 
 TILES = [(16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 4), (16, 128, 4, 3)]
 
@@ -54,8 +56,7 @@ def main():
             for resident, min_tiles in settings:
                 inference.resident_programs = (lambda *a, r=resident: r) if resident else estimate
                 inference.SPLIT_MIN_TILES = min_tiles
-                with torch.no_grad():
-                    ms = do_bench(lambda: compiled.with_kvcache(q, cache), warmup=20, rep=60)
+                ms = bench_graph(lambda: compiled.with_kvcache(q, cache))
                 results.append((ms, tiles, resident or "est", min_tiles))
         results.sort()
         print(f"\nB={B} Lkv={L} ({'paged ' + str(args.paged) if args.paged else 'contiguous'})")

@@ -50,9 +50,9 @@ def test_decode_splits_are_used():
     assert splits > 1 and split_len % 32 == 0 and (splits - 1) * split_len < 300 <= splits * split_len
     # on a GPU (132 SMs, 2 programs each): no split for short contexts or when the rows fill the
     # GPU; otherwise one wave of programs, each split a multiple of the tile
-    assert inference.num_splits(programs=4, max_kv_len=256, block_n=64, slots=264) == (1, None)
+    assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, slots=264) == (1, None)
     assert inference.num_splits(programs=264, max_kv_len=131072, block_n=64, slots=264) == (1, None)
-    for programs, kv in [(4, 1024), (4, 131072), (32, 16384), (100, 5000)]:
+    for programs, kv in [(4, 4096), (4, 131072), (32, 16384), (100, 5000)]:
         splits, split_len = inference.num_splits(programs=programs, max_kv_len=kv, block_n=64, slots=264)
         assert splits > 1 and programs * splits <= 264, (programs, kv, splits)
         assert split_len % 64 == 0 and split_len >= 64 * inference.SPLIT_MIN_TILES
