@@ -55,7 +55,7 @@ TMA_MAX_BLOCK = 256  # a tensor descriptor's box is at most 256 elements along e
 def use_tma(target: str, k: torch.Tensor, v: torch.Tensor) -> str:
     """Spec.tma of a forward call (config.tma): "auto" or "on" on a GPU with TMA (sm90+), "on" in
     the interpreter only when forced, for tensors TMA can address (unit stride along the head
-    dim, 16-byte aligned start and other strides, head dims within one box); else "off"."""
+    dim, 16-byte aligned start and other strides, head dims within one box, no empty dim); else "off"."""
     mode = config.tma()
     if mode == "off" or (target == "interpreter" and mode != "on"):
         return "off"
@@ -64,7 +64,7 @@ def use_tma(target: str, k: torch.Tensor, v: torch.Tensor) -> str:
     for t in (k, v):
         size = t.element_size()
         if (t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1])
-                or t.shape[-1] > TMA_MAX_BLOCK):
+                or t.shape[-1] > TMA_MAX_BLOCK or t.numel() == 0):
             return "off"
     return mode
 

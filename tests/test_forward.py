@@ -136,6 +136,7 @@ def test_use_tma_needs_a_layout_tma_can_address(monkeypatch):
     assert runtime.use_tma("interpreter", wide[..., 1:65], k) == "off"              # start not 16-byte aligned
     assert runtime.use_tma("interpreter", torch.randn(2, 4, 64, 4, dtype=torch.float16), k) == "off"  # 8-byte rows
     assert runtime.use_tma("interpreter", k.transpose(2, 3), k) == "off"            # head dim not unit stride
+    assert runtime.use_tma("interpreter", k[:, :, :0], k[:, :, :0]) == "off"        # no keys: no descriptor
     monkeypatch.setenv("ATTNCC_TMA", "off")
     assert runtime.use_tma("cuda-sm90", k, k) == "off"
     monkeypatch.setenv("ATTNCC_TMA", "sometimes")
