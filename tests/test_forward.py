@@ -108,7 +108,7 @@ def test_tma_reads_transposed_views(monkeypatch):
     check(q, k, v, None, causal_mask)
 
 
-def test_tma_auto_only_where_it_measured_faster():
+def test_tma_auto_rule_by_variant_class():
     """ATTNCC_TMA=auto (GPU default): descriptors for data-dependent and banded masks, and for
     score mods above head dim 64; plain full / causal / prefix-LM attention keeps pointer loads."""
     from attncc import plan
