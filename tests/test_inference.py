@@ -52,9 +52,9 @@ def test_decode_splits_are_used():
     # GPU; otherwise one wave of programs, each split a multiple of the tile
     assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, slots=264) == (1, None)
     assert inference.num_splits(programs=264, max_kv_len=131072, block_n=64, slots=264) == (1, None)
-    for programs, kv in [(4, 4096), (4, 131072), (32, 16384), (100, 5000)]:
-        splits, split_len = inference.num_splits(programs=programs, max_kv_len=kv, block_n=64, slots=264)
-        assert splits > 1 and programs * splits <= 264, (programs, kv, splits)
+    for n_prog, kv in [(4, 4096), (4, 131072), (32, 16384), (100, 5000)]:
+        splits, split_len = inference.num_splits(programs=n_prog, max_kv_len=kv, block_n=64, slots=264)
+        assert splits > 1 and n_prog * splits <= 264, (n_prog, kv, splits)  # one wave
         assert split_len % 64 == 0 and split_len >= 64 * inference.SPLIT_MIN_TILES
         assert (splits - 1) * split_len < kv <= splits * split_len
     # one wave: B=1 with 4 K/V heads over 128k keys gets 64 splits of 2048 keys
