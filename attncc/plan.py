@@ -124,6 +124,11 @@ class KernelPlan:
     deterministic: bool = False  # capture gradients accumulate as int64 fixed point (bitwise reproducible)
     split_d: tuple = (16, 0)  # kv: the head dim in two power-of-two pieces (split_dim)
     tma: bool = False         # fwd: K and V are tensor descriptors (TMA loads, zero-filled past the ends)
+    # bwd, GQA: the dK/dV kernel runs the (query tile, query head) pairs of its group in one loop
+    # per class of tile, not the tile loops inside a loop over heads, which spilled ~300 registers
+    # at head dim 128 (H200, triton 3.6). Needs tile bounds that do not depend on h; data-dependent
+    # masks keep the loop over heads (it spilled less there).
+    flat_group: bool = False
 
     @property
     def runtime_ints(self):
@@ -333,7 +338,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         split_d=split_dim(spec.head_dim),
         tma=kernel == "fwd" and (spec.tma == "on" or (spec.tma == "auto" and tma_pays(
             f, block_sparse, mask_class, max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))))),
-        block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)))
+        block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
+        flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse)
 
 
 def _tiled(fns) -> list:

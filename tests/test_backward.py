@@ -73,6 +73,17 @@ def test_score_mod_derivatives(name):
     check_grads(1, 2, 2, 37, 45, 16, 16, score_mod=SCORE_MODS[name], mask_mod=causal)
 
 
+@pytest.mark.parametrize("mask,flat", [(causal, True), (lambda b, h, q, k: (q >= k) & (q - k < 5 + 7 * h), False)],
+                         ids=["causal", "window_per_head"])
+def test_gqa_dkdv_loop_forms(mask, flat):
+    """GQA dK/dV: one loop over (query tile, head) pairs when the mask's tiles do not depend on h,
+    else tile loops inside a loop over the group's heads; both against the reference."""
+    spec = Spec("float32", 16, 16, 3, "interpreter")
+    assert plan.build("bwd", attncc.Variant(mask_mod=mask).analysis, spec).flat_group == flat
+    check_grads(2, 6, 2, 45, 70, 16, 16, mask_mod=mask)
+    check_grads(1, 3, 1, 1, 33, 16, 16, mask_mod=mask)
+
+
 def test_lse_gradient_flows():
     check_grads(2, 2, 2, 33, 40, 16, 16, mask_mod=lambda b, h, q, k: q + 3 >= k, use_lse=True)
 

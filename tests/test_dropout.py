@@ -7,22 +7,23 @@ import attncc
 causal = lambda b, h, q, k: q >= k
 
 
-def _inputs(B=2, H=2, Lq=45, Lkv=70, D=16, seed=0):
+def _inputs(B=2, H=2, Lq=45, Lkv=70, D=16, seed=0, Hkv=None):
     torch.manual_seed(seed)
-    return [torch.randn(B, H, L, D, requires_grad=True) for L in (Lq, Lkv, Lkv)]
+    return [torch.randn(B, h, L, D, requires_grad=True) for h, L in ((H, Lq), (Hkv or H, Lkv), (Hkv or H, Lkv))]
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
-def test_output_and_grads_match_reference_with_same_mask(p):
-    q, k, v = _inputs()
+@pytest.mark.parametrize("p,H,Hkv", [(0.1, 2, 2), (0.5, 2, 2), (0.1, 4, 2)])
+def test_output_and_grads_match_reference_with_same_mask(p, H, Hkv):
+    q, k, v = _inputs(H=H, Hkv=Hkv)
     torch.manual_seed(1234)
-    out = attncc.attention(q, k, v, mask_mod=causal, dropout_p=p)
+    out = attncc.attention(q, k, v, mask_mod=causal, dropout_p=p, enable_gqa=H != Hkv)
     do = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), do)
     torch.manual_seed(1234)
-    keep = attncc.dropout_mask(2, 2, 45, 70, p)
+    keep = attncc.dropout_mask(2, H, 45, 70, p)
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    ref = attncc.reference.attention(qd, kd, vd, mask_mod=causal, dropout_p=p, dropout_mask=keep)
+    ref = attncc.reference.attention(qd, kd, vd, mask_mod=causal, dropout_p=p, dropout_mask=keep,
+                                     enable_gqa=H != Hkv)
     want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
     for g, w in zip(got, want):
