@@ -101,6 +101,12 @@ def test_tile_choices_logged_with_their_reason(caplog, monkeypatch):
     _, log = _tile_log(caplog, "attn_fwd", spec, sparse=True)
     assert log.endswith(": 64x64, num_warps=4, num_stages=3 (default table, then 64x64 for a data-dependent mask)")
 
+    dropout64 = plan.Spec("bfloat16", 64, 64, 1, "cuda-sm90", dropout=True)
+    _, log = _tile_log(caplog, "attn_bwd_dkdv", dropout64)
+    assert log.endswith(": 64x64, num_warps=4, num_stages=3 (default table, then 64x64 for dropout at head dim <= 64)")
+    for other in (plan.Spec("bfloat16", 64, 64, 1, "cuda-sm90"), plan.Spec("bfloat16", 128, 128, 1, "cuda-sm90", dropout=True)):
+        assert "for dropout" not in _tile_log(caplog, "attn_bwd_dkdv", other)[1]
+
     shrunk, log = _tile_log(caplog, "attn_fwd", plan.Spec("bfloat16", 128, 128, 1, "cuda-sm90", shrink=2))
     assert shrunk.num_stages == max(tiles.num_stages - 2, 1)
     assert log.endswith("(default table, shrunk 2 level(s) after running out of shared memory)")
