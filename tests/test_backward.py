@@ -48,6 +48,8 @@ SHAPES = [  # B, H, Hkv, Lq, Lkv, D, Dv
     (1, 4, 1, 1, 40, 16, 16),
     (1, 2, 2, 64, 64, 80, 80),
     (2, 6, 2, 33, 65, 16, 32),
+    (1, 2, 1, 64, 33, 16, 16),   # whole query tiles, ragged keys: bounds checks on one side only
+    (1, 2, 2, 33, 64, 32, 32),
 ]
 
 
