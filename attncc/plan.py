@@ -167,21 +167,23 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "n
     override = bool(config.tile_overrides().get(fn))
     why = ("interpreter default" if spec.target == "interpreter" else
            "ATTNCC_TILES override" if override else "default table")
-    tuned = fn == "attn_fwd" and spec.target != "interpreter" and spec.dtype != "float32" and not override
+    tuned = spec.target != "interpreter" and spec.dtype != "float32" and not override
+    fwd, bwd = fn == "attn_fwd", fn in ("attn_bwd_dkdv", "attn_bwd_dq")
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
-    if tuned and sparse and t.block_n == 128:
+    if tuned and sparse and ((fwd and t.block_n == 128) or (bwd and d == 128)):
         # data-dependent masks: smaller tiles waste less on partial tiles (H200, document mask:
-        # 1.10-1.21x FlexAttention with 64x64 against 0.94-0.98x with 128x128)
+        # forward 1.10-1.21x FlexAttention with 64x64 against 0.94-0.98x with 128x128; backward
+        # 0.738 -> 0.613 ms at 4x16x4096x128, 0.456 -> 0.428 ms at 16x16x1024x128 against the
+        # 64x128 / 128x64 default, where sliding window and full attention measured slower)
         t = Tiles(64, 64, 4, 3)
         why += ", then 64x64 for a data-dependent mask"
-    elif tuned and ((mask_class != "none" and d <= 64) or (mask_class == "banded" and d <= 128)):
+    elif tuned and fwd and ((mask_class != "none" and d <= 64) or (mask_class == "banded" and d <= 128)):
         # H200, bf16, 4x32x4096x64 forward ms, 64x64 against the 128x64 default: sliding window
         # 0.40 / 0.55, ALiBi-causal 0.89 / 1.10, causal 0.68 / 0.71; 4x16x4096x128 sliding window
         # 0.37 / 0.39 against 128x128 (benchmarks/tile_sweep.py)
         t = Tiles(64, 64, 4, 3)
         why += f", then 64x64 for a {mask_class} variant at head dim {d}"
-    elif (fn == "attn_bwd_dkdv" and spec.dropout and d <= 64 and spec.target != "interpreter"
-          and spec.dtype != "float32" and not override):
+    elif tuned and fn == "attn_bwd_dkdv" and spec.dropout and d <= 64:
         # dropout regenerates its keep-mask transposed in the dK/dV kernel; square tiles make that
         # cheaper (H200, bf16, 4x32x4096x64 dropout-causal backward 4.68 -> 3.96 ms against the
         # 32x128 default; at head dim 128, 64x64 is slower: 2.76 -> 3.98 ms)

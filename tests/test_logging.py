@@ -101,6 +101,10 @@ def test_tile_choices_logged_with_their_reason(caplog, monkeypatch):
     _, log = _tile_log(caplog, "attn_fwd", spec, sparse=True)
     assert log.endswith(": 64x64, num_warps=4, num_stages=3 (default table, then 64x64 for a data-dependent mask)")
 
+    for fn in ("attn_bwd_dkdv", "attn_bwd_dq"):
+        assert _tile_log(caplog, fn, spec, sparse=True)[1].endswith("then 64x64 for a data-dependent mask)")
+        assert "data-dependent" not in _tile_log(caplog, fn, plan.Spec("bfloat16", 64, 64, 1, "cuda-sm90"), sparse=True)[1]
+
     dropout64 = plan.Spec("bfloat16", 64, 64, 1, "cuda-sm90", dropout=True)
     _, log = _tile_log(caplog, "attn_bwd_dkdv", dropout64)
     assert log.endswith(": 64x64, num_warps=4, num_stages=3 (default table, then 64x64 for dropout at head dim <= 64)")
