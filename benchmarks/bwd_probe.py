@@ -26,8 +26,8 @@ class Part:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             args = list(args)
-            i = self.kernel.arg_names.index("BH_KV")
-            n_dkdv = -(-args[i + 3] // kwargs["BLOCK_N1"]) * args[i]  # cdiv(N_CTX_KV, BLOCK_N1) * BH_KV
+            i, n_kv = (self.kernel.arg_names.index(name) for name in ("BH_KV", "N_CTX_KV"))
+            n_dkdv = -(-args[n_kv] // kwargs["BLOCK_N1"]) * args[i]  # cdiv(N_CTX_KV, BLOCK_N1) * BH_KV
             if self.part == "dkdv":
                 return self.kernel[(n_dkdv,)](*args, **kwargs)
             args[i] = 0  # no dK/dV programs: every program is a dQ one
