@@ -56,7 +56,8 @@ class CompiledAttention:
                                   "not a float tensor; integer and bool captures are never differentiated")
         atomic = config.atomic_dq() and not deterministic
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
-                                   deterministic=bool(deterministic and learnable), tma="off")
+                                   deterministic=bool(deterministic and learnable), tma="off",
+                                   positive_scale=True)  # only the forward folds the scale
 
     def _path_and_module(self, kernel: str, spec: Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)

@@ -87,3 +87,9 @@ def tile_overrides() -> dict:
     import json
     text = os.environ.get("ATTNCC_TILES", "")
     return {k: tuple(v) for k, v in json.loads(text).items()} if text else {}
+
+
+def remember_triton_key() -> bool:
+    """$ATTNCC_TRITON_KEY=0 stops attncc from keeping Triton's compiler hash in its cache folder
+    (attncc.cache.remember_triton_key); a warm process then hashes Triton's files again."""
+    return os.environ.get("ATTNCC_TRITON_KEY", "1") != "0"

@@ -47,12 +47,12 @@ class _Setup:
 _setups: dict = {}
 
 
-def _setup(compiled, dtype, d, dv, group, device) -> _Setup:
-    key = (compiled.variant.ir_key, dtype, d, dv, group, device)
+def _setup(compiled, dtype, d, dv, group, device, positive_scale=True) -> _Setup:
+    key = (compiled.variant.ir_key, dtype, d, dv, group, device, positive_scale)
     s = _setups.get(key)
     if s is None:
         target = runtime.target_for(device)
-        spec = Spec(_DTYPE_NAMES[dtype], d, dv, group, target)
+        spec = Spec(_DTYPE_NAMES[dtype], d, dv, group, target, positive_scale=positive_scale)
         interpret = target == "interpreter"
         sms = _INTERPRETER_SMS if interpret else torch.cuda.get_device_properties(device).multi_processor_count
         s = _setups[key] = _Setup(compiled.module("kv", spec), group, sms, interpret,
@@ -110,9 +110,9 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
                           f"{MAX_HEAD_DIM_V} for the inference kernel (MLA's 576/512 fit)")
     if hq % hkv:
         raise AttnccError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    s = _setup(compiled, q.dtype, d, dv, hq // hkv, q.device)
-    captures = [c.tensor for c in variant.captures]
     scale = variant.scale if variant.scale is not None else 1.0 / math.sqrt(d)
+    s = _setup(compiled, q.dtype, d, dv, hq // hkv, q.device, scale > 0)
+    captures = [c.tensor for c in variant.captures]
 
     out = q.new_empty(q.shape[:-1] + (dv,))
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

@@ -110,6 +110,9 @@ class KernelPlan:
     score_text: str
     mask_text: str
     score_identity: bool  # score_mod is the identity: the scale folds into exp2
+    # fwd, kv: score_mod is the identity and the scale positive, so the row max of q.k * scale is
+    # max(q.k) * scale and each probability costs one FMA, exp2(q.k * scale - m), as in FA3
+    fold_scale: bool
     dscore_one: bool      # d score_mod / d score == 1 (identity or additive bias)
     score_broadcast: bool  # score_mod's value is not a float tile by itself (constant, int, no score)
     captures: tuple       # CaptureArg per captured tensor
@@ -340,6 +343,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         dot_precision="ieee" if spec.dtype == "float32" else "tf32",
         score_text=str(analysis.score), mask_text=str(analysis.mask),
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
+        fold_scale=f.score_identity and spec.positive_scale and kernel in ("fwd", "kv"),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
         tiles={fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)}, mods=mods,
         bounds=tile_bounds, grads=grads,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import config
+from . import cache, config
 from .errors import AttnccError
 from .log import logger
 
@@ -23,6 +23,8 @@ def _triton(for_cpu: bool):
     if "triton" not in sys.modules and (config.force_interpreter() or (for_cpu and not torch.cuda.is_available())):
         os.environ["TRITON_INTERPRET"] = "1"
     import triton
+    if not interpreting(triton):
+        cache.remember_triton_key(triton)
     return triton
 
 

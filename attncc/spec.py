@@ -18,5 +18,6 @@ class Spec:
     atomic_dq: bool = False  # bwd: dq by atomics (measured alternative to the dq kernel)
     deterministic: bool = False  # bwd: capture gradients in order-independent fixed point
     shrink: int = 0          # > 0 after the chosen tiles ran out of shared memory: smaller tiles
+    positive_scale: bool = True  # fwd, kv: scale > 0 (with an identity score_mod, plan.fold_scale)
     tma: str = "off"         # fwd: K/V tiles through tensor descriptors (TMA): "off", "auto" (where it
                              # measured faster, plan.tma_pays), "on" (always)

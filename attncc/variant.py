@@ -31,13 +31,13 @@ class Analysis:
 
 
 def check_dropout(p) -> float:
-    """``p`` rounded to a multiple of 2**-16 (at most 65535 / 65536), the probability the kernels
-    apply: they compare 16-bit random numbers, 8 per Philox call; the change is at most 7.6e-6.
-    AttnccError unless p is a number in [0, 1)."""
+    """``p`` rounded to a multiple of 1/256 (at most 255 / 256), the probability the kernels apply:
+    they compare 8-bit random numbers, 16 per Philox call (as FlashAttention-2 does); the change
+    is at most 1/512. AttnccError unless p is a number in [0, 1)."""
     if not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
         raise AttnccError(f"dropout_p must be a number in [0, 1), got {p!r}; it is the probability of "
                           "dropping an attention weight (0.0 turns dropout off)")
-    return min(round(float(p) * 65536), 65535) / 65536
+    return min(round(float(p) * 256), 255) / 256
 
 
 def check_scale(scale):

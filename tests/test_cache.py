@@ -93,9 +93,11 @@ def test_snapshot_causal_mask_line():
     src = attncc.compile(attncc.Variant(mask_mod=causal_mask)).source("fwd", dtype=torch.float16, head_dim=64)
     _, loop = _loop_split(src)
     assert re.search(r"^\s+keep = \(q_idx >= kv_idx\)$", loop, re.M), loop
-    assert re.search(r'^\s+s = tl\.where\(col_ok & keep, s, float\("-inf"\)\)', loop, re.M)
-    # the identity score_mod folds the scale into exp2: no score tile is formed
+    assert re.search(r'^\s+qk = tl\.where\(col_ok & keep, qk, float\("-inf"\)\)', loop, re.M)
+    # the identity score_mod folds the scale into exp2: no score tile is formed, and with a
+    # positive scale the row max is taken on q.k and scaled once, p = exp2 of one FMA
     assert "qk_scale = sm_scale * 1.4426950408889634" in src and "score = qk * sm_scale" not in src
+    assert "tl.max(qk, 1) * qk_scale" in loop and "p = tl.exp2(qk * qk_scale - m_safe[:, None])" in loop
 
 
 def test_snapshot_alibi_hoists_slopes_load():
@@ -179,3 +181,39 @@ def test_edited_cached_source_is_what_runs(tmp_path):
     edited = _run_subprocess(str(tmp_path))
     assert edited["codegen"] == 0
     assert edited["err"] > 1e-2  # uniform causal weights now, far from the reference
+
+
+def _fake_triton(root: Path, calls: list):
+    """A stand-in for the triton package: a folder of files and runtime.cache.triton_key."""
+    import functools
+    import types
+
+    @functools.lru_cache()
+    def triton_key():
+        calls.append(1)
+        return f"key-of-{(root / 'libtriton.so').read_text()}"
+    cache_module = types.SimpleNamespace(triton_key=triton_key)
+    return types.SimpleNamespace(__file__=str(root / "__init__.py"),
+                                 runtime=types.SimpleNamespace(cache=cache_module))
+
+
+def test_triton_key_is_kept_until_tritons_files_change(attncc_cache_dir, tmp_path, monkeypatch):
+    from attncc import cache
+    root = tmp_path / "triton"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "libtriton.so").write_text("build 1")
+    calls = []
+
+    def new_process():  # a fresh Triton import and a fresh attncc: nothing computed yet
+        monkeypatch.setattr(cache, "_triton_key_tried", False)
+        triton = _fake_triton(root, calls)
+        cache.remember_triton_key(triton)
+        return triton.runtime.cache.triton_key()
+
+    assert new_process() == "key-of-build 1" and len(calls) == 1  # computed once, then kept
+    assert new_process() == "key-of-build 1" and len(calls) == 1  # the next process reads it
+    (root / "libtriton.so").write_text("build 22")  # another Triton build: a new key
+    assert new_process() == "key-of-build 22" and len(calls) == 2
+    monkeypatch.setenv("ATTNCC_TRITON_KEY", "0")
+    assert new_process() == "key-of-build 22" and len(calls) == 3  # off: Triton computes it
