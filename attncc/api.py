@@ -39,6 +39,7 @@ class CompiledAttention:
             raise AttnccError(f"attncc.compile takes an attncc.Variant, got {type(variant).__name__}; "
                               "build one with attncc.Variant(score_mod, mask_mod)")
         self.variant = variant
+        self._bwd_specs: dict = {}  # (forward Spec, learnable, deterministic, atomic dQ) -> backward Spec
         autograd.register(self)  # the attention op finds it by the variant's key
 
     def __repr__(self):
@@ -50,6 +51,13 @@ class CompiledAttention:
 
     def bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool = False) -> Spec:
         """The backward's Spec: the forward's plus which captures need gradients."""
+        key = (fwd_spec, tuple(learnable), deterministic, config.atomic_dq())
+        spec = self._bwd_specs.get(key)
+        if spec is None:
+            spec = self._bwd_specs[key] = self._new_bwd_spec(fwd_spec, learnable, deterministic)
+        return spec
+
+    def _new_bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool) -> Spec:
         for i in learnable:
             if self.variant.captures[i].kind != ir.FLOAT:
                 raise AttnccError(f"captured tensor cap{i} ({self.variant.captures[i]!r}) requires grad but is "

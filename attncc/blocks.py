@@ -19,7 +19,7 @@ _CACHE_SIZE = 16
 
 
 def _tensor_key(t: torch.Tensor):
-    return (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+    return (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
 
 
 def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device) -> torch.Tensor:
@@ -69,14 +69,14 @@ def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) ->
     """Tile lists for every kernel of ``module`` (its TILES), from the cached fine table; the
     lists are cached with the table, so a repeated call launches nothing here."""
     fine = fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head, device)
-    live = {id(t) for t in _cache.values()}
-    for key in [k for k in _lists if k[0] not in live]:
-        del _lists[key]
     out = {}
     for fn, (o, i) in module.TILES.items():
         key = (id(fine), fn, o, i)
         hit = _lists.get(key)
         if hit is None or hit[0] is not fine:  # ids are reused after a table is evicted
+            live = {id(t) for t in _cache.values()}  # drop the lists of evicted tables
+            for stale in [k for k in _lists if k[0] not in live]:
+                del _lists[stale]
             hit = _lists[key] = (fine, tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv"))
         out[fn] = hit[1]
     return out

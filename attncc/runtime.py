@@ -33,9 +33,19 @@ def interpreting(triton) -> bool:
     return bool(knobs.runtime.interpret) if knobs else os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_targets: dict = {}  # device -> its target, once known (read on every call: kept cheap)
+
+
 def target_for(device: torch.device) -> str:
     """'cuda-smXY' for CUDA tensors; 'interpreter' for CPU tensors, and for every tensor when
     the Triton interpreter is on (TRITON_INTERPRET=1 or ATTNCC_INTERPRET=1)."""
+    target = _targets.get(device)
+    if target is None:
+        target = _targets[device] = _find_target(device)
+    return target
+
+
+def _find_target(device: torch.device) -> str:
     if device.type not in ("cpu", "cuda"):
         raise AttnccError(f"attncc runs on CUDA GPUs and on the CPU (through the Triton interpreter), "
                           f"not on {device.type} tensors; move the inputs with .cuda() or .cpu()")
