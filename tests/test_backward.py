@@ -180,3 +180,13 @@ def test_integer_captures_get_no_gradient():
     out = attncc.attention(q, k, v, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])
     out.sum().backward()
     assert doc.grad is None and q.grad is not None
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 33, 65, 16, 16), (2, 4, 2, 40, 17, 32, 24)], ids=["mha_ragged", "gqa"])
+def test_atomic_dq_option(monkeypatch, shape):
+    """ATTNCC_BWD_DQ=atomic: dQ summed by relaxed atomic adds from the dK/dV programs (the measured
+    alternative to the dQ programs) gives the same gradients."""
+    monkeypatch.setenv("ATTNCC_BWD_DQ", "atomic")
+    variant = attncc.Variant(mask_mod=causal)
+    assert attncc.compile(variant).bwd_spec(Spec("float32", 16, 16, 1, "interpreter"), ()).atomic_dq
+    check_grads(*shape, mask_mod=causal)
