@@ -32,7 +32,7 @@ for (B, H, N, D) in shapes:
         f = triton.testing.do_bench(lambda: kern(q, k, v), warmup=25, rep=80, return_mode="median")
         fb = triton.testing.do_bench(lambda: kern(q, k, v).backward(do), warmup=25, rep=80,
                                      return_mode="median") if backward else f
-        res[f"{name} D={D}"] = (round(f, 3), round(fb - f, 3))
+        res[f"{name} {B}x{H}x{N}x{D}"] = (round(f, 3), round(fb - f, 3))
 print("RESULT " + json.dumps(res))
 """
 

@@ -46,6 +46,27 @@ def test_backward_gpu(dtype, shape, variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 8, 8, 1000, 1000, 128, 128), (2, 8, 2, 777, 1000, 64, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_atomic_dq_gpu(monkeypatch, dtype, shape):
+    """ATTNCC_BWD_DQ=atomic (relaxed vector atomics into a float32 dQ) on the GPU."""
+    monkeypatch.setenv("ATTNCC_BWD_DQ", "atomic")
+    B, H, Hkv, Lq, Lkv, D, Dv = shape
+    torch.manual_seed(0)
+    q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, Lkv, Dv, device="cuda", dtype=dtype, requires_grad=True)
+    out = attncc.attention(q, k, v, mask_mod=causal, enable_gqa=H != Hkv)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = attncc.reference.attention(qd, kd, vd, mask_mod=causal, enable_gqa=H != Hkv)
+    want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and _rel(g, w) < TOL[dtype], _rel(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dropout_gpu_matches_mask(dtype):
     torch.manual_seed(0)
     B, H, L, D = 2, 4, 1000, 64
