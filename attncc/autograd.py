@@ -76,7 +76,8 @@ def with_fallback(compiled, kernel: str, spec, run):
     level = _shrink.get(key, 0)
     while True:
         try:
-            result = run(compiled.module(kernel, spec if level == spec.shrink else dataclasses.replace(spec, shrink=level)))
+            fitted = spec if level == spec.shrink else dataclasses.replace(spec, shrink=level)
+            result = run(compiled.module(kernel, fitted))
             _shrink[key] = level
             return result
         except Exception as e:  # triton.runtime.errors.OutOfResources; triton is imported lazily
