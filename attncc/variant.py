@@ -89,7 +89,7 @@ class Variant:
     follow FlexAttention; either may also be an ``attncc.ir`` expression. Tensors the mods
     read are captured by reference: changing their contents needs no new kernel. ``scale``
     defaults to 1/sqrt(head_dim). ``dropout_p`` applies in training calls (``training=False``
-    turns it off), rounded to a multiple of 2**-16 (``check_dropout``); ``deterministic=True``
+    turns it off), rounded to a multiple of 1/256 (``check_dropout``); ``deterministic=True``
     makes gradients bitwise reproducible (the default dQ kernel already is; it forbids the
     atomic dQ path).
 
