@@ -64,7 +64,7 @@ class CompiledAttention:
                                   "not a float tensor; integer and bool captures are never differentiated")
         atomic = config.atomic_dq() and not deterministic
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
-                                   deterministic=bool(deterministic and learnable), tma="off",
+                                   deterministic=bool(deterministic and learnable), tma="off", ws="off",
                                    positive_scale=True)  # only the forward folds the scale
 
     def _path_and_module(self, kernel: str, spec: Spec, load: bool = True):
@@ -129,7 +129,10 @@ class CompiledAttention:
                               f"(query/key 1..{limits[0]}, value 1..{limits[1]})")
         if target is None:
             target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
-        spec = Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target)
+        # what a call with TMA-addressable tensors runs there (runtime.descriptor_modes)
+        modes = ("off", "off") if target == "interpreter" or int(target.removeprefix("cuda-sm")) < 90 else (
+            config.tma(), config.ws())
+        spec = Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target, tma=modes[0], ws=modes[1])
         path, _ = self._path_and_module(kernel, spec, load=False)
         return path.read_text()
 

@@ -117,8 +117,9 @@ def _launch(compiled, q, k, v, rng, scale, dropout_p, deterministic) -> Launch:
     dropout = rng is not None
     target = runtime.target_for(q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    tma, ws = runtime.descriptor_modes(target, q, k, v)
     spec = Spec(dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], target, dropout,
-                tma=runtime.use_tma(target, k, v), positive_scale=scale > 0)
+                tma=tma, ws=ws, positive_scale=scale > 0)
     seeds = (*rng.tolist(), dropout_p) if dropout else ()
     return Launch(compiled, spec, scale, seeds, deterministic)
 

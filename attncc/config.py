@@ -79,6 +79,22 @@ def tma() -> str:
     return mode
 
 
+WS_MODES = ("auto", "on", "off")
+
+
+def ws() -> str:
+    """$ATTNCC_WS = auto | on | off: whether the forward of plain attention without a mask runs
+    its key loop warp-specialised (Hopper: a producer warp streams K/V tiles through tensor
+    descriptors while two consumer warp groups compute). ``auto`` (default): on sm90 GPUs where
+    it measured faster (plan.ws_pays); ``on`` wherever the variant allows it, also in the Triton
+    interpreter (tests); ``off``: never."""
+    mode = (os.environ.get("ATTNCC_WS") or "auto").strip().lower() or "auto"
+    if mode not in WS_MODES:
+        from .errors import AttnccError
+        raise AttnccError(f"ATTNCC_WS={mode!r} is not one of {', '.join(WS_MODES)}")
+    return mode
+
+
 def tile_overrides() -> dict:
     """$ATTNCC_TILES='{"attn_fwd": [128, 64, 8, 3]}': (block_m, block_n, num_warps, num_stages)
     per kernel function, replacing attncc's choice (for tuning experiments). The backward is one

@@ -132,6 +132,10 @@ class KernelPlan:
     deterministic: bool = False  # capture gradients accumulate as int64 fixed point (bitwise reproducible)
     split_d: tuple = (16, 0)  # kv: the head dim in two power-of-two pieces (split_dim)
     tma: bool = False         # fwd: K and V are tensor descriptors (TMA loads, zero-filled past the ends)
+    # fwd, no mask: when the keys fill whole tiles, one key loop that Triton warp-specialises on
+    # Hopper (a producer warp streams K/V through descriptors built on the device, two consumer
+    # warp groups of 64 rows compute), with its own warps and stages (tiles["attn_fwd_ws"])
+    ws: bool = False
     # bwd, GQA: the dK/dV kernel runs the (query tile, query head) pairs of its group in one loop
     # per class of tile, not the tile loops inside a loop over heads, which spilled ~300 registers
     # at head dim 128 (H200, triton 3.6). Needs tile bounds that do not depend on h; data-dependent
@@ -222,6 +226,23 @@ def tma_pays(facts, block_sparse: bool, mask_class: str, head_dim: int) -> bool:
     return block_sparse or mask_class == "banded" or (not facts.score_identity and head_dim > 64)
 
 
+def ws_fits(facts, block_sparse: bool, spec: Spec) -> bool:
+    """The warp-specialised loop has no mask code: variants without a mask or dropout."""
+    return facts.mask_trivial and not block_sparse and not spec.dropout
+
+
+def ws_pays(facts, spec: Spec) -> bool:
+    """Whether the forward warp-specialises under ATTNCC_WS=auto: where it measured faster. H200,
+    bf16, full attention, forward ms with ATTNCC_WS=off -> auto: 0.345 -> 0.342 (16x16x1024x128),
+    1.122 -> 1.046 (4x16x4096x128), 4.28 -> 3.99 (1x16x16384x128); a standalone kernel at head
+    dim 64 was slower (1.30 -> 1.41 at 4x32x4096x64). Triton 3.6 warp-specialises only a loop
+    whose loads all go through descriptors built on the device, with 4 warps per group (8 warps
+    compile unspecialised)."""
+    d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
+    return (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16") and d == 128
+            and facts.score_identity)
+
+
 def _base_tiles(fn: str, spec: Spec) -> Tiles:
     override = config.tile_overrides().get(fn)
     if override and spec.target != "interpreter":
@@ -239,6 +260,8 @@ def _base_tiles(fn: str, spec: Spec) -> Tiles:
     if spec.dtype == "float32":
         return Tiles(64, 32, 4, 2) if d <= 128 else Tiles(32, 32, 4, 1)
     # measured on an H200 with benchmarks/tile_sweep.py (bf16, causal and full, N=4096)
+    if fn == "attn_fwd_ws":  # two consumer warp groups of 4 warps; 3 stages overflow shared memory
+        return Tiles(128, 128, 4, 2) if d <= 128 else Tiles(64, 64, 4, 2)
     if fn == "attn_fwd":
         if d <= 64:
             return Tiles(128, 64, 8, 3)
@@ -342,7 +365,12 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
         for i, (nd, kind) in enumerate(analysis.captures))
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
-    tma = kernel == "fwd" and (spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))
+    ws = kernel == "fwd" and ws_fits(f, block_sparse, spec) and (
+        spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, spec)))
+    tma = kernel == "fwd" and not ws and (
+        spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))
+    if ws:
+        fns = {**fns, "attn_fwd_ws": set()}
     return KernelPlan(
         kernel=kernel, attncc_version=__version__, target=spec.target, dtype=spec.dtype,
         head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
@@ -350,13 +378,13 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         dot_precision="ieee" if spec.dtype == "float32" else "tf32",
         score_text=str(analysis.score), mask_text=str(analysis.mask),
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
-        fold_scale=f.score_identity and spec.positive_scale and (kernel == "kv" or (kernel == "fwd" and (tma or d <= 64))),
+        fold_scale=f.score_identity and spec.positive_scale and (kernel == "kv" or (kernel == "fwd" and (tma or ws or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
         tiles={fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)}, mods=mods,
         bounds=tile_bounds, grads=grads,
         atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
         split_d=split_dim(spec.head_dim),
-        tma=tma,
+        tma=tma, ws=ws,
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse)
 

@@ -64,21 +64,30 @@ def _find_target(device: torch.device) -> str:
 TMA_MAX_BLOCK = 256  # a tensor descriptor's box is at most 256 elements along each dim
 
 
-def use_tma(target: str, k: torch.Tensor, v: torch.Tensor) -> str:
-    """Spec.tma of a forward call (config.tma): "auto" or "on" on a GPU with TMA (sm90+), "on" in
-    the interpreter only when forced, for tensors TMA can address (unit stride along the head
-    dim, 16-byte aligned start and other strides, head dims within one box, no empty dim); else "off"."""
-    mode = config.tma()
-    if mode == "off" or (target == "interpreter" and mode != "on"):
-        return "off"
-    if target != "interpreter" and int(target.removeprefix("cuda-sm")) < 90:
-        return "off"
-    for t in (k, v):
-        size = t.element_size()
-        if (t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1])
-                or t.shape[-1] > TMA_MAX_BLOCK or t.numel() == 0):
-            return "off"
-    return mode
+def descriptor_modes(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """(Spec.tma, Spec.ws) of a forward call: config.tma() and config.ws() ("auto" or "on") on a
+    GPU with TMA (sm90+), "on" in the interpreter only when forced, for tensors TMA can address
+    (unit stride along the head dim, 16-byte aligned start and other strides, head dims within
+    one box, no empty dim: K and V for TMA, also Q and the output for the warp-specialised loop);
+    else "off"."""
+    tma, ws = config.tma(), config.ws()
+    if target == "interpreter":
+        tma, ws = (m if m == "on" else "off" for m in (tma, ws))
+    elif int(target.removeprefix("cuda-sm")) < 90:
+        return "off", "off"
+    if tma == ws == "off":
+        return tma, ws
+    if not (_addressable(k) and _addressable(v)):
+        return "off", "off"
+    # the output (allocated in q's layout, attncc.runtime.forward) is a descriptor too: its
+    # strides are multiples of the value head dim
+    return tma, ws if _addressable(q) and v.shape[-1] * v.element_size() % 16 == 0 else "off"
+
+
+def _addressable(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return not (t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1])
+                or t.shape[-1] > TMA_MAX_BLOCK or t.numel() == 0)
 
 
 def load(path: Path, interpret: bool):

@@ -21,3 +21,5 @@ class Spec:
     positive_scale: bool = True  # fwd, kv: scale > 0 (with an identity score_mod, plan.fold_scale)
     tma: str = "off"         # fwd: K/V tiles through tensor descriptors (TMA): "off", "auto" (where it
                              # measured faster, plan.tma_pays), "on" (always)
+    ws: str = "off"          # fwd: warp-specialised key loop for variants without a mask: "off",
+                             # "auto" (where it measured faster, plan.ws_pays), "on" (where it fits)

@@ -248,7 +248,7 @@ def test_bench_on_gpu(capsys, mods):
     assert [r.split("|")[2].strip() for r in rows] == ["attncc", "FlexAttention (compiled)", "SDPA flash, causal"]
     for r in rows:
         fwd, bwd = (float(c) for c in r.split("|")[3:5])
-        assert fwd > 0 and bwd > fwd
+        assert fwd > 0 and bwd > 0  # milliseconds; no ordering: timings of a tiny shape are noise
     assert "[" in err and "3/3" in err  # the progress bar
 
 

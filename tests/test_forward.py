@@ -103,6 +103,51 @@ def test_tma_forward_matches_reference(monkeypatch, name, dt, B, Hq, Hkv, Lq, Lk
     check(q, k, v, score_mod, mask_mod, kernel=compiled, enable_gqa=Hq != Hkv)
 
 
+# (B, Hq, Hkv, Lq, Lkv, D, Dv): keys in whole interpreter tiles (32) and Lq % 4 == 0 take the
+# warp-specialised loop, the others the general loops of the same module
+WS_CASES = [(2, 4, 4, 64, 96, 64, 64), (1, 6, 2, 20, 64, 80, 80), (2, 4, 1, 52, 32, 40, 24),
+            (1, 3, 3, 4, 128, 16, 16), (1, 4, 4, 33, 45, 64, 64), (2, 2, 2, 64, 17, 32, 32), (1, 2, 2, 17, 64, 16, 16)]
+
+
+@pytest.mark.parametrize("dt", ["fp32", "fp16"])
+@pytest.mark.parametrize("name", ["full", "scaled_tanh"])
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lkv,D,Dv", WS_CASES)
+def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv):
+    """The warp-specialised forward (variants without a mask; the default for plain attention at
+    head dim 128 on Hopper), forced on in the interpreter: Q, K, V through descriptors built in
+    the kernel, GQA, ragged query lengths, padded and unequal head dims."""
+    from attncc import autograd
+    monkeypatch.setenv("ATTNCC_WS", "on")
+    torch.manual_seed(zlib.crc32(repr(("ws", name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
+    score_mod = (lambda s, b, h, q_idx, kv_idx: 20.0 * torch.tanh(s / 20.0)) if name == "scaled_tanh" else None
+    q, k, v = randn_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype=DTYPES[dt])
+    compiled = attncc.compile(attncc.Variant(score_mod))
+    module = compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec)
+    assert module.WARP_SPECIALIZED and not module.TMA
+    check(q, k, v, score_mod, None, kernel=compiled, enable_gqa=Hq != Hkv)
+
+
+def test_warp_specialized_only_without_a_mask():
+    """A mask or dropout keeps the general loops: the warp-specialised one has no mask code.
+    Under ATTNCC_WS=auto it runs only where it measured faster (Hopper, 16-bit, head dim 128, no
+    score_mod)."""
+    from attncc import plan
+    from attncc.spec import Spec
+    for name, d, dtype, target, want in [
+            ("full", 128, "bfloat16", "cuda-sm90", True), ("full", 64, "bfloat16", "cuda-sm90", False),
+            ("full", 128, "float32", "cuda-sm90", False), ("full", 128, "bfloat16", "cuda-sm100", False),
+            ("softcap", 128, "bfloat16", "cuda-sm90", False), ("causal", 128, "bfloat16", "cuda-sm90", False),
+            ("document", 128, "bfloat16", "cuda-sm90", False)]:
+        v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
+        got = plan.build("fwd", v.analysis, Spec(dtype, d, d, 1, target, tma="auto", ws="auto"), v.captures).ws
+        assert got == want, (name, d, dtype, target)
+    full, causal = (attncc.Variant(*BUILDERS[n](1, 4, 64, 64, "cpu")) for n in ("full", "causal"))
+    assert plan.build("fwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
+    assert not plan.build("fwd", causal.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
+    assert not plan.build("fwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", dropout=True, ws="on")).ws
+    assert not plan.build("bwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
+
+
 def test_tma_reads_transposed_views(monkeypatch):
     """(B, L, H, D) views through descriptors: strides in any order, no copies."""
     monkeypatch.setenv("ATTNCC_TMA", "on")
@@ -127,24 +172,34 @@ def test_tma_auto_rule_by_variant_class():
         assert plan.build("fwd", v.analysis, Spec("bfloat16", 64, 64, 1, "cuda-sm90", tma="on"), v.captures).tma
 
 
-def test_use_tma_needs_a_layout_tma_can_address(monkeypatch):
+def test_descriptor_modes_need_a_layout_tma_can_address(monkeypatch):
     from attncc import runtime
     from attncc.errors import AttnccError
+    tma = lambda target, k, v: runtime.descriptor_modes(target, k, k, v)[0]
     k = torch.randn(2, 4, 64, 64, dtype=torch.float16)
-    assert runtime.use_tma("interpreter", k, k) == "off"       # auto: GPUs only
-    assert runtime.use_tma("cuda-sm90", k, k) == "auto" and runtime.use_tma("cuda-sm80", k, k) == "off"
+    assert runtime.descriptor_modes("interpreter", k, k, k) == ("off", "off")  # auto: GPUs only
+    assert runtime.descriptor_modes("cuda-sm90", k, k, k) == ("auto", "auto")
+    assert runtime.descriptor_modes("cuda-sm80", k, k, k) == ("off", "off")
     monkeypatch.setenv("ATTNCC_TMA", "on")
-    assert runtime.use_tma("interpreter", k, k) == "on"
+    assert runtime.descriptor_modes("interpreter", k, k, k) == ("on", "off")
     wide = torch.randn(2, 4, 64, 72, dtype=torch.float16)
-    assert runtime.use_tma("interpreter", wide[..., 1:65], k) == "off"              # start not 16-byte aligned
-    assert runtime.use_tma("interpreter", torch.randn(2, 4, 64, 4, dtype=torch.float16), k) == "off"  # 8-byte rows
-    assert runtime.use_tma("interpreter", k.transpose(2, 3), k) == "off"            # head dim not unit stride
-    assert runtime.use_tma("interpreter", k[:, :, :0], k[:, :, :0]) == "off"        # no keys: no descriptor
+    assert tma("interpreter", wide[..., 1:65], k) == "off"              # start not 16-byte aligned
+    assert tma("interpreter", torch.randn(2, 4, 64, 4, dtype=torch.float16), k) == "off"  # 8-byte rows
+    assert tma("interpreter", k.transpose(2, 3), k) == "off"            # head dim not unit stride
+    assert tma("interpreter", k[:, :, :0], k[:, :, :0]) == "off"        # no keys: no descriptor
     monkeypatch.setenv("ATTNCC_TMA", "off")
-    assert runtime.use_tma("cuda-sm90", k, k) == "off"
+    monkeypatch.setenv("ATTNCC_WS", "on")
+    assert runtime.descriptor_modes("cuda-sm90", k, k, k) == ("off", "on")
+    assert runtime.descriptor_modes("interpreter", k, k, k) == ("off", "on")
+    assert runtime.descriptor_modes("interpreter", k, k.transpose(2, 3), k) == ("off", "off")
+    assert runtime.descriptor_modes("interpreter", k.transpose(2, 3), k, k) == ("off", "off")  # Q too
     monkeypatch.setenv("ATTNCC_TMA", "sometimes")
     with pytest.raises(AttnccError, match="ATTNCC_TMA"):
-        runtime.use_tma("cuda-sm90", k, k)
+        runtime.descriptor_modes("cuda-sm90", k, k, k)
+    monkeypatch.setenv("ATTNCC_TMA", "auto")
+    monkeypatch.setenv("ATTNCC_WS", "always")
+    with pytest.raises(AttnccError, match="ATTNCC_WS"):
+        runtime.descriptor_modes("cuda-sm90", k, k, k)
 
 
 def test_bf16_on_cpu():
