@@ -61,7 +61,7 @@ def atomic_dq() -> bool:
     return os.environ.get("ATTNCC_BWD_DQ", "kernel") == "atomic"
 
 
-TMA_MODES = ("auto", "on", "off")
+DESCRIPTOR_MODES = ("auto", "on", "off")
 
 
 def tma() -> str:
@@ -69,17 +69,7 @@ def tma() -> str:
     (default): tensor descriptors (TMA) on GPUs that have them (compute capability 9.0+) when the
     tensors' layout allows, pointers otherwise; ``on`` also in the Triton interpreter (tests);
     ``off``: always pointers."""
-    mode = os.environ.get("ATTNCC_TMA")
-    if mode is None:
-        return "auto"
-    mode = mode.strip().lower() or "auto"
-    if mode not in TMA_MODES:
-        from .errors import AttnccError
-        raise AttnccError(f"ATTNCC_TMA={mode!r} is not one of {', '.join(TMA_MODES)}")
-    return mode
-
-
-WS_MODES = ("auto", "on", "off")
+    return _descriptor_mode("ATTNCC_TMA")
 
 
 def ws() -> str:
@@ -88,10 +78,17 @@ def ws() -> str:
     descriptors while two consumer warp groups compute). ``auto`` (default): on sm90 GPUs where
     it measured faster (plan.ws_pays); ``on`` wherever the variant allows it, also in the Triton
     interpreter (tests); ``off``: never."""
-    mode = (os.environ.get("ATTNCC_WS") or "auto").strip().lower() or "auto"
-    if mode not in WS_MODES:
+    return _descriptor_mode("ATTNCC_WS")
+
+
+def _descriptor_mode(var: str) -> str:
+    raw = os.environ.get(var)
+    if raw is None:  # every call reads it (host time): the unset case returns at once
+        return "auto"
+    mode = raw.strip().lower() or "auto"
+    if mode not in DESCRIPTOR_MODES:
         from .errors import AttnccError
-        raise AttnccError(f"ATTNCC_WS={mode!r} is not one of {', '.join(WS_MODES)}")
+        raise AttnccError(f"{var}={mode!r} is not one of {', '.join(DESCRIPTOR_MODES)}")
     return mode
 
 

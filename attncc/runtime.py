@@ -85,9 +85,14 @@ def descriptor_modes(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _addressable(t: torch.Tensor) -> bool:
+    *outer, last = t.stride()
+    if last != 1 or t.data_ptr() % 16 or t.shape[-1] > TMA_MAX_BLOCK or t.numel() == 0:
+        return False
     size = t.element_size()
-    return not (t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1])
-                or t.shape[-1] > TMA_MAX_BLOCK or t.numel() == 0)
+    for s in outer:  # a loop, not any(<generator>): this runs on every call (host time)
+        if s * size % 16:
+            return False
+    return True
 
 
 def load(path: Path, interpret: bool):
