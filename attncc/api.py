@@ -65,7 +65,7 @@ class CompiledAttention:
         atomic = config.atomic_dq() and not deterministic
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
                                    deterministic=bool(deterministic and learnable), tma="off", ws="off",
-                                   positive_scale=True)  # only the forward folds the scale
+                                   positive_scale=True, tiles=())  # only the forward folds the scale
 
     def _path_and_module(self, kernel: str, spec: Spec, load: bool = True):
         k = (self.variant.ir_key, kernel, spec)

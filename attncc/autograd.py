@@ -36,7 +36,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import blocks, runtime
+from . import blocks, config, runtime
 from .checks import check_capture_indices, check_captures, check_qkv
 from .errors import AttnccError
 from .log import logger
@@ -69,9 +69,13 @@ class Launch:
 _shrink: dict = {}  # (variant, kernel, spec) -> the tile shrink level that fits the GPU
 
 
-def with_fallback(compiled, kernel: str, spec, run):
-    """run(module) with the kernel's chosen tiles; if they need more shared memory than the GPU
-    has (a heavy mod can), regenerate with smaller tiles and remember the level that fits."""
+def with_fallback(compiled, kernel: str, spec, run, q, k):
+    """run(module) with the kernel's chosen tiles (under ATTNCC_AUTOTUNE=1, the measured-fastest
+    for the call's size class, attncc.tune); if they need more shared memory than the GPU has
+    (a heavy mod can), regenerate with smaller tiles and remember the level that fits."""
+    if config.autotune():
+        from . import tune
+        spec = tune.tuned_spec(compiled, kernel, spec, run, q, k)
     key = (compiled.variant.ir_key, kernel, spec)
     level = _shrink.get(key, 0)
     while True:
@@ -127,7 +131,8 @@ def _launch(compiled, q, k, v, rng, scale, dropout_p, deterministic) -> Launch:
 def run_forward(launch: Launch, q, k, v, captures):
     """out (B, H, Lq, Dv) in q's dtype and float32 lse (B, H, Lq): the kernels of both paths."""
     return with_fallback(launch.compiled, "fwd", launch.spec, lambda module: runtime.forward(
-        module, q, k, v, captures, launch.scale, launch.interpret, launch.rng, launch.blocks(module, q, k, captures)))
+        module, q, k, v, captures, launch.scale, launch.interpret, launch.rng, launch.blocks(module, q, k, captures)),
+        q, k)
 
 
 def run_backward(launch: Launch, dout, dlse, q, k, v, out, lse, captures, learnable: tuple):
@@ -137,7 +142,7 @@ def run_backward(launch: Launch, dout, dlse, q, k, v, out, lse, captures, learna
         dout = torch.zeros_like(out)
     dq, dk, dv, dcaps = with_fallback(launch.compiled, "bwd", spec, lambda module: runtime.backward(
         module, q, k, v, out, lse, dout, dlse, captures, learnable, launch.scale, launch.interpret,
-        launch.rng, spec.deterministic, launch.blocks(module, q, k, captures)))
+        launch.rng, spec.deterministic, launch.blocks(module, q, k, captures)), q, k)
     return dq, dk, dv, [g.to(captures[i].dtype) for i, g in zip(learnable, dcaps)]
 
 

@@ -102,6 +102,23 @@ def tile_overrides() -> dict:
     return {k: tuple(v) for k, v in json.loads(text).items()} if text else {}
 
 
+def autotune() -> bool:
+    """$ATTNCC_AUTOTUNE=1: the first call of a kernel under a new (variant, Spec, size class)
+    times candidate tiles, TMA and warp-specialisation choices on the call's inputs and keeps the
+    fastest in a JSON file per GPU in the cache folder, which later calls and processes read
+    (attncc.tune). Unset or 0 (default): attncc's measured table, nothing timed or read."""
+    raw = os.environ.get("ATTNCC_AUTOTUNE")
+    if raw is None:  # every call reads it (host time): the unset case returns at once
+        return False
+    mode = raw.strip().lower()
+    if mode in ("", "0", "off", "false"):
+        return False
+    if mode in ("1", "on", "true"):
+        return True
+    from .errors import AttnccError
+    raise AttnccError(f"ATTNCC_AUTOTUNE={raw!r}: use 1 to tune kernels on first use, 0 (default) for attncc's table")
+
+
 def remember_triton_key() -> bool:
     """$ATTNCC_TRITON_KEY=0 stops attncc from keeping Triton's compiler hash in its cache folder
     (attncc.cache.remember_triton_key); a warm process then hashes Triton's files again."""

@@ -175,11 +175,12 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "n
     ``spec.shrink`` drops a pipeline stage, then halves the streamed tile. ``mask_class``:
     "none" (no mask), "masked", or "banded" (each query row reaches a bounded key range, like a
     sliding window)."""
-    t = _base_tiles(fn, spec)
+    measured = dict(spec.tiles).get(fn)  # the autotuner's pick (attncc.tune) replaces the rules
+    t = Tiles(*measured) if measured else _base_tiles(fn, spec)
     override = bool(config.tile_overrides().get(fn))
-    why = ("interpreter default" if spec.target == "interpreter" else
-           "ATTNCC_TILES override" if override else "default table")
-    tuned = spec.target != "interpreter" and spec.dtype != "float32" and not override
+    why = ("autotuned (ATTNCC_AUTOTUNE)" if measured else "interpreter default" if spec.target == "interpreter"
+           else "ATTNCC_TILES override" if override else "default table")
+    tuned = spec.target != "interpreter" and spec.dtype != "float32" and not override and not measured
     fwd, bwd = fn == "attn_fwd", fn in ("attn_bwd_dkdv", "attn_bwd_dq")
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
     if tuned and sparse and ((fwd and t.block_n == 128) or (bwd and d == 128)):
@@ -195,6 +196,12 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "n
         # 0.37 / 0.39 against 128x128 (benchmarks/tile_sweep.py)
         t = Tiles(64, 64, 4, 3)
         why += f", then 64x64 for a {mask_class} variant at head dim {d}"
+    elif tuned and fn == "attn_bwd_dkdv" and d <= 64 and not spec.dropout:
+        # H200, bf16, 4x32x4096x64 backward ms against the 32x128 default (benchmarks/
+        # tune_sweep.py): 32x64 document mask 0.884 -> 0.723, causal 2.149 -> 2.066, full 4.000 ->
+        # 3.958; a sliding window is fastest with 64x64 (1.185 -> 1.156, 32x64 1.217)
+        t = Tiles(64, 64, 4, 3) if mask_class == "banded" else Tiles(32, 64, 4, 3)
+        why += f", then {t.block_m}x{t.block_n} at head dim <= 64"
     elif tuned and fn == "attn_bwd_dkdv" and spec.dropout and d <= 64:
         # dropout regenerates its keep-mask transposed in the dK/dV kernel; square tiles make that
         # cheaper (H200, bf16, 4x32x4096x64 dropout-causal backward 4.68 -> 3.96 ms against the
@@ -356,7 +363,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         tile_bounds["attn_kv"] = dataclasses.replace(tile_bounds["attn_kv"], full_empty=True,
                                                      full_first=None, full_end=None, full_text="(none)")
     block_sparse = bool(f.captures_in_mask)
-    fwd_bounds = tile_bounds.get("attn_fwd")
+    fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
     mask_class = ("none" if f.mask_trivial else
                   "banded" if fwd_bounds is not None and fwd_bounds.reach_first is not None else "masked")
     if block_sparse and kernel == "fwd":

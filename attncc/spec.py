@@ -23,3 +23,5 @@ class Spec:
                              # measured faster, plan.tma_pays), "on" (always)
     ws: str = "off"          # fwd: warp-specialised key loop for variants without a mask: "off",
                              # "auto" (where it measured faster, plan.ws_pays), "on" (where it fits)
+    tiles: tuple = ()        # ((kernel function, (block_m, block_n, num_warps, num_stages)), ...):
+                             # tiles the autotuner measured fastest (attncc.tune), replacing the table

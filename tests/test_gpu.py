@@ -10,6 +10,7 @@ this file on a CPU machine cannot switch the interpreter off for the other tests
 """
 from __future__ import annotations
 
+import json
 import zlib
 
 import pytest
@@ -196,3 +197,41 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
         pytest.skip("this triton's JITFunction exposes no kernel cache to count")
     assert counts[0] >= 1
     assert counts[-1] - counts[0] == 0, f"Triton recompiled for new lengths: compiled kernels per call {counts}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotuning: every candidate kernel compiles, fits or reports OutOfResources, and agrees with
+# the table default; the tuned result matches the reference
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("name,shape", [("causal", "gqa8:2-2x8x1000x128"), ("document", "1x4x4096x64")])
+def test_autotuned_kernels_on_gpu(name, shape, dt, monkeypatch, tmp_path):
+    from attncc import tune
+    monkeypatch.setenv("ATTNCC_AUTOTUNE", "1")
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_chosen", {})
+    monkeypatch.setattr(tune, "_tables", {})
+    B, Hq, Hkv, Lq, Lkv, D, Dv = SHAPES[shape]
+    dtype = DTYPES[dt]
+    torch.manual_seed(zlib.crc32(f"tune-{name}-{shape}-{dt}".encode()))
+    score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cuda")
+    q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, Lkv, Dv, device="cuda", dtype=dtype, requires_grad=True)
+    out, lse = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv, return_lse=True)
+    ref, ref_lse = reference_on_gpu(q.detach(), k.detach(), v.detach(), score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    assert_close_to_reference(out, lse, ref, ref_lse, dtype)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref64 = attncc.reference.attention(q64, k64, v64, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    for got, want in zip((q.grad, k.grad, v.grad), torch.autograd.grad(ref64, (q64, k64, v64), dout.double())):
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < (2e-2 if dtype == torch.bfloat16 else 3e-3), err
+    entries = json.loads(tune.table_path("cuda", q.device).read_text())["entries"].values()
+    assert sorted(e["kernel"] for e in entries) == ["bwd", "fwd"]
+    for e in entries:
+        errors = [t for t in e["tried"] if "error" in t and not t["error"].startswith("OutOfResources")]
+        assert not errors, errors
+        assert sum("ms" in t for t in e["tried"]) >= 3
