@@ -141,6 +141,9 @@ class KernelPlan:
     # at head dim 128 (H200, triton 3.6). Needs tile bounds that do not depend on h; data-dependent
     # masks keep the loop over heads (it spilled less there).
     flat_group: bool = False
+    # fwd: keys up to which the launch takes the smaller tiles["attn_fwd_short"] (0: never), see
+    # short_kv below
+    short_kv: int = 0
 
     @property
     def runtime_ints(self):
@@ -199,8 +202,9 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "n
     elif tuned and fn == "attn_bwd_dkdv" and d <= 64 and not spec.dropout:
         # H200, bf16, 4x32x4096x64 backward ms against the 32x128 default (benchmarks/
         # tune_sweep.py): 32x64 document mask 0.884 -> 0.723, causal 2.149 -> 2.066, full 4.000 ->
-        # 3.958; a sliding window is fastest with 64x64 (1.185 -> 1.156, 32x64 1.217)
-        t = Tiles(64, 64, 4, 3) if mask_class == "banded" else Tiles(32, 64, 4, 3)
+        # 3.958, softcap 2.900 -> 2.616; a sliding window (1.185 -> 1.156) and GQA (causal 2.347
+        # -> 2.268) are fastest with 64x64 (32x64: 1.217, 2.395)
+        t = Tiles(64, 64, 4, 3) if mask_class == "banded" or spec.group > 1 else Tiles(32, 64, 4, 3)
         why += f", then {t.block_m}x{t.block_n} at head dim <= 64"
     elif tuned and fn == "attn_bwd_dkdv" and spec.dropout and d <= 64:
         # dropout regenerates its keep-mask transposed in the dK/dV kernel; square tiles make that
@@ -250,13 +254,36 @@ def ws_pays(facts, spec: Spec) -> bool:
             and facts.score_identity)
 
 
+SHORT_KV = (2048, 4096)  # keys up to which masked forwards take short tiles: (identity score_mod, score mods)
+
+
+def short_kv(facts, block_sparse: bool, mask_class: str, spec: Spec) -> int:
+    """Keys up to which a forward with a mask that cuts tiles (causal-like: neither banded nor
+    data-dependent) launches 64x64 tiles instead of 128x128 at head dims 65..128: fewer masked
+    entries computed on the tiles the diagonal crosses. H200, bf16, forward ms 128x128 -> 64x64
+    (benchmarks/tune_sweep.py): at 1024 keys causal 0.250 -> 0.217, ALiBi 0.256 -> 0.211,
+    softcap 0.275 -> 0.226, GQA 0.246 -> 0.214, prefix-LM 0.339 -> 0.326, dropout 0.314 -> 0.292;
+    at 2048 1.02-1.14x; at 4096 ALiBi 0.694 -> 0.629, softcap 0.758 -> 0.692, causal 0.630 ->
+    0.604 but prefix-LM 0.651 -> 0.689, dropout and GQA 0.99x; at 16k causal and dropout 0.91x.
+    The interpreter takes 16x32 tiles up to 64 keys, so that CPU tests run this launch path. Off
+    when tiles are chosen otherwise (autotuner, ATTNCC_TILES)."""
+    if facts.mask_trivial or block_sparse or mask_class != "masked" or spec.tiles or config.tile_overrides():
+        return 0
+    if spec.target == "interpreter":
+        return 64
+    d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
+    if spec.dtype == "float32" or d != 128:
+        return 0
+    return SHORT_KV[0] if facts.score_identity else SHORT_KV[1]
+
+
 def _base_tiles(fn: str, spec: Spec) -> Tiles:
     override = config.tile_overrides().get(fn)
     if override and spec.target != "interpreter":
         return Tiles(*override)
     if spec.target == "interpreter":
         # small tiles keep several tiles and ragged edges in tests
-        return Tiles(16, 32, 1, 1) if fn == "attn_kv_decode" else Tiles(32, 32, 1, 1)
+        return Tiles(16, 32, 1, 1) if fn in ("attn_kv_decode", "attn_fwd_short") else Tiles(32, 32, 1, 1)
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
     if fn in ("attn_kv", "attn_kv_decode"):  # inference; rows are (token, head) pairs of a GQA group
         if d > 256:  # MLA: a 512-wide accumulator
@@ -267,6 +294,8 @@ def _base_tiles(fn: str, spec: Spec) -> Tiles:
     if spec.dtype == "float32":
         return Tiles(64, 32, 4, 2) if d <= 128 else Tiles(32, 32, 4, 1)
     # measured on an H200 with benchmarks/tile_sweep.py (bf16, causal and full, N=4096)
+    if fn == "attn_fwd_short":  # short_kv: causal-like masks over few keys
+        return Tiles(64, 64, 4, 3)
     if fn == "attn_fwd_ws":  # two consumer warp groups of 4 warps; 3 stages overflow shared memory
         return Tiles(128, 128, 4, 2) if d <= 128 else Tiles(64, 64, 4, 2)
     if fn == "attn_fwd":
@@ -376,8 +405,11 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, spec)))
     tma = kernel == "fwd" and not ws and (
         spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))
+    short = short_kv(f, block_sparse, mask_class, spec) if kernel == "fwd" and not ws else 0
     if ws:
         fns = {**fns, "attn_fwd_ws": set()}
+    if short:
+        fns = {**fns, "attn_fwd_short": set()}
     return KernelPlan(
         kernel=kernel, attncc_version=__version__, target=spec.target, dtype=spec.dtype,
         head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
@@ -393,7 +425,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         split_d=split_dim(spec.head_dim),
         tma=tma, ws=ws,
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
-        flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse)
+        flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short)
 
 
 def _tiled(fns) -> list:

@@ -148,6 +148,46 @@ def test_warp_specialized_only_without_a_mask():
     assert not plan.build("bwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
 
 
+def test_short_tiles_rule():
+    """Causal-like masks (neither banded nor data-dependent) at head dim 128 take 64x64 forward
+    tiles up to plan.SHORT_KV keys; not full attention, windows, document masks, other head
+    dims, float32, or tiles chosen by the autotuner."""
+    from attncc import plan
+    from attncc.spec import Spec
+    short = {"causal": 2048, "prefix_lm": 2048, "alibi": 4096, "softcap": 0, "full": 0,  # softcap: no mask
+             "sliding_window": 0, "document": 0}
+    for name, want in short.items():
+        v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
+        kernel = plan.build("fwd", v.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tma="auto"), v.captures)
+        assert kernel.short_kv == want, name
+        assert (kernel.tiles.get("attn_fwd_short") == plan.Tiles(64, 64, 4, 3)) == bool(want), name
+    causal = attncc.Variant(mask_mod=causal_mask)
+    for spec in (Spec("bfloat16", 64, 64, 1, "cuda-sm90"), Spec("float32", 128, 128, 1, "cuda-sm90"),
+                 Spec("bfloat16", 128, 128, 1, "cuda-sm90", tiles=(("attn_fwd", (128, 64, 8, 3)),))):
+        assert plan.build("fwd", causal.analysis, spec).short_kv == 0, spec
+    assert plan.build("fwd", causal.analysis, Spec("float32", 24, 24, 1, "interpreter")).short_kv == 64
+
+
+@pytest.mark.parametrize("Lkv,rows", [(17, 16), (64, 16), (65, 32), (200, 32)])
+def test_short_tiles_launch_by_key_count(monkeypatch, Lkv, rows):
+    """The forward launches its short tiles (16 query rows in the interpreter) up to 64 keys and
+    the general ones past that; both match the reference."""
+    from attncc import autograd
+    torch.manual_seed(Lkv)
+    q, k, v = randn_qkv(2, 4, 2, 50, Lkv, 24)
+    compiled = attncc.compile(attncc.Variant(mask_mod=causal_mask))
+    module = compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec)
+    grids, jit = [], module.attn_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return jit[grid]
+    monkeypatch.setattr(module, "attn_fwd", Spy())
+    check(q, k, v, None, causal_mask, kernel=compiled, enable_gqa=True)
+    assert grids == [(-(-50 // rows), 8)]
+
+
 def test_tma_reads_transposed_views(monkeypatch):
     """(B, L, H, D) views through descriptors: strides in any order, no copies."""
     monkeypatch.setenv("ATTNCC_TMA", "on")

@@ -175,7 +175,8 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
     kernel = None
     counts = []
     codegen = None
-    for L in (1000, 1500, 3000):
+    lengths = (1000, 1500, 3000, 4500)
+    for L in lengths:
         score_mod, mask_mod = BUILDERS[name](B, H, L, L, "cuda")
         if kernel is None:
             kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
@@ -196,7 +197,10 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
     if counts[0] is None:
         pytest.skip("this triton's JITFunction exposes no kernel cache to count")
     assert counts[0] >= 1
-    assert counts[-1] - counts[0] == 0, f"Triton recompiled for new lengths: compiled kernels per call {counts}"
+    # causal-like masks launch short tiles up to SHORT_KV keys: one more kernel past that, no others
+    short = modules[0].SHORT_KV
+    tile_sets = len({L <= short for L in lengths}) if short else 1
+    assert counts[-1] - counts[0] == tile_sets - 1, f"Triton recompiled for new lengths: compiled kernels per call {counts}"
 
 
 # ----------------------------------------------------------------------------------------------
