@@ -199,11 +199,12 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "n
         # 0.37 / 0.39 against 128x128 (benchmarks/tile_sweep.py)
         t = Tiles(64, 64, 4, 3)
         why += f", then 64x64 for a {mask_class} variant at head dim {d}"
-    elif tuned and fn == "attn_bwd_dkdv" and d <= 64 and not spec.dropout:
+    elif tuned and fn == "attn_bwd_dkdv" and d <= 64 and not spec.dropout and mask_class != "none":
         # H200, bf16, 4x32x4096x64 backward ms against the 32x128 default (benchmarks/
-        # tune_sweep.py): 32x64 document mask 0.884 -> 0.723, causal 2.149 -> 2.066, full 4.000 ->
-        # 3.958, softcap 2.900 -> 2.616; a sliding window (1.185 -> 1.156) and GQA (causal 2.347
-        # -> 2.268) are fastest with 64x64 (32x64: 1.217, 2.395)
+        # tune_sweep.py): 32x64 document mask 0.884 -> 0.723, causal 2.149 -> 2.066, softcap
+        # 2.900 -> 2.616, ALiBi 2.382 -> 2.251; a sliding window (1.185 -> 1.156) and GQA (causal
+        # 2.347 -> 2.268) are fastest with 64x64 (32x64: 1.217, 2.395). Without a mask 32x64
+        # measured 1.01x in one sweep and 0.96x in another: the default stays
         t = Tiles(64, 64, 4, 3) if mask_class == "banded" or spec.group > 1 else Tiles(32, 64, 4, 3)
         why += f", then {t.block_m}x{t.block_n} at head dim <= 64"
     elif tuned and fn == "attn_bwd_dkdv" and spec.dropout and d <= 64:
@@ -254,27 +255,35 @@ def ws_pays(facts, spec: Spec) -> bool:
             and facts.score_identity)
 
 
-SHORT_KV = (2048, 4096)  # keys up to which masked forwards take short tiles: (identity score_mod, score mods)
+SHORT_KV = 2048  # keys up to which causal-like masks take short forward tiles (short_kv)
 
 
-def short_kv(facts, block_sparse: bool, mask_class: str, spec: Spec) -> int:
+def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> int:
     """Keys up to which a forward with a mask that cuts tiles (causal-like: neither banded nor
     data-dependent) launches 64x64 tiles instead of 128x128 at head dims 65..128: fewer masked
     entries computed on the tiles the diagonal crosses. H200, bf16, forward ms 128x128 -> 64x64
     (benchmarks/tune_sweep.py): at 1024 keys causal 0.250 -> 0.217, ALiBi 0.256 -> 0.211,
     softcap 0.275 -> 0.226, GQA 0.246 -> 0.214, prefix-LM 0.339 -> 0.326, dropout 0.314 -> 0.292;
-    at 2048 1.02-1.14x; at 4096 ALiBi 0.694 -> 0.629, softcap 0.758 -> 0.692, causal 0.630 ->
-    0.604 but prefix-LM 0.651 -> 0.689, dropout and GQA 0.99x; at 16k causal and dropout 0.91x.
-    The interpreter takes 16x32 tiles up to 64 keys, so that CPU tests run this launch path. Off
-    when tiles are chosen otherwise (autotuner, ATTNCC_TILES)."""
+    at 2048 1.02-1.14x; at 4096 ALiBi and softcap 1.10x but prefix-LM 0.95x, dropout and GQA 0.99x,
+    and the benchmark's forward+backward did not gain; at 16k causal and dropout 0.91x. A
+    score_mod that gathers a captured tensor per entry (a relative-position table) was slower
+    with them (0.586 -> 0.702 ms at 1024) and keeps 128x128. The interpreter takes 16x32 tiles
+    up to 64 keys, so that CPU tests run this launch path. Off when tiles are chosen otherwise
+    (autotuner, ATTNCC_TILES)."""
     if facts.mask_trivial or block_sparse or mask_class != "masked" or spec.tiles or config.tile_overrides():
         return 0
     if spec.target == "interpreter":
         return 64
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
-    if spec.dtype == "float32" or d != 128:
+    if spec.dtype == "float32" or d != 128 or _gathers_per_entry(score):
         return 0
-    return SHORT_KV[0] if facts.score_identity else SHORT_KV[1]
+    return SHORT_KV
+
+
+def _gathers_per_entry(expr) -> bool:
+    """A captured tensor read at an index that changes with q_idx or kv_idx."""
+    return any({Q, KV} & set().union(*(a.free_symbols for a in load.args))
+               for load in expr.atoms(sp.core.function.AppliedUndef))
 
 
 def _base_tiles(fn: str, spec: Spec) -> Tiles:
@@ -405,7 +414,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, spec)))
     tma = kernel == "fwd" and not ws and (
         spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))
-    short = short_kv(f, block_sparse, mask_class, spec) if kernel == "fwd" and not ws else 0
+    short = short_kv(f, analysis.score, block_sparse, mask_class, spec) if kernel == "fwd" and not ws else 0
     if ws:
         fns = {**fns, "attn_fwd_ws": set()}
     if short:
