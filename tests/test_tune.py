@@ -248,3 +248,28 @@ def test_bad_autotune_value(monkeypatch):
     q, k, v = (torch.randn(1, 1, 8, 16) for _ in range(3))
     with pytest.raises(AttnccError, match="ATTNCC_AUTOTUNE"):
         attncc.attention(q, k, v)
+
+
+def test_tuned_backward_with_a_learnable_capture(tuning):
+    """Candidates of a backward that accumulates a captured tensor's gradient by atomics run on
+    fresh buffers each time: the tuned gradient equals the reference's, not a multiple of it."""
+    torch.manual_seed(3)
+    B, H, L, D = 1, 2, 40, 16
+    table = (0.5 * torch.randn(H, 2 * L - 1)).requires_grad_()
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + L - 1]
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    out = attncc.attention(q, k, v, rel_bias, causal_mask)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert tune.stats["tuned"] == 2
+    t64 = table.detach().double().requires_grad_()
+
+    def rel_bias64(score, b, h, q_idx, kv_idx):
+        return score + t64[h, q_idx - kv_idx + L - 1]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attncc.reference.attention(q64, k64, v64, rel_bias64, causal_mask)
+    want = torch.autograd.grad(ref, (q64, k64, v64, t64), dout.double())
+    for got, w in zip((q.grad, k.grad, v.grad, table.grad), want):
+        assert rel_err(got, w) < 1e-4
