@@ -222,6 +222,10 @@ def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "n
             t = Tiles(t.block_m, t.block_n // 2, t.num_warps, t.num_stages)
     if spec.shrink:
         why += f", shrunk {spec.shrink} level(s) after running out of shared memory"
+    if fn == "attn_fwd_ws" and t.num_stages > WS_MAX_STAGES and spec.target != "interpreter":
+        logger.warning("attn_fwd_ws tiles %s: the warp-specialised loop runs at most %d stages (3 gave wrong "
+                       "results on triton 3.6); using %d", t, WS_MAX_STAGES, WS_MAX_STAGES)
+        t = Tiles(t.block_m, t.block_n, t.num_warps, WS_MAX_STAGES)
     logger.debug("tiles of %s (%s, head dim %d/%d, %s): %dx%d, num_warps=%d, num_stages=%d (%s)", fn, spec.dtype,
                  spec.head_dim, spec.head_dim_v, spec.target, t.block_m, t.block_n, t.num_warps, t.num_stages, why)
     return t
@@ -255,6 +259,9 @@ def ws_pays(facts, spec: Spec) -> bool:
             and facts.score_identity)
 
 
+# the warp-specialised forward with 128x64 tiles and 3 stages gave wrong results on an H200
+# (triton 3.6; found by the autotuner's check against the table's tiles): cap requests for more
+WS_MAX_STAGES = 2
 SHORT_KV = 2048  # keys up to which causal-like masks take short forward tiles (short_kv)
 
 

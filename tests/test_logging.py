@@ -156,3 +156,13 @@ def test_attncc_log_installs_a_stderr_handler(monkeypatch, capsys):
         logger.handlers[:] = handlers
         logger.setLevel(level)
     assert attncc.log.logger is logger
+
+
+def test_warp_specialized_stages_capped(caplog, monkeypatch):
+    """ATTNCC_TILES cannot ask the warp-specialised loop for 3 stages (wrong results on triton
+    3.6, found by the autotuner): the request is capped at 2 with a warning."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    monkeypatch.setenv("ATTNCC_TILES", '{"attn_fwd_ws": [128, 64, 4, 3]}')
+    tiles = plan.choose_tiles("attn_fwd_ws", plan.Spec("bfloat16", 128, 128, 1, "cuda-sm90"))
+    assert tiles == plan.Tiles(128, 64, 4, 2)
+    assert any("at most 2 stages" in m for m in messages(caplog, logging.WARNING))
