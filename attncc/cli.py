@@ -122,13 +122,15 @@ def cmd_show(args):
     print(compiled.source(args.kernel, DTYPES[args.dtype], args.head_dim, args.head_dim_v, args.gqa), end="")
 
 
-def default_tile(variant: Variant) -> tuple[int, int]:
+def default_tile(variant: Variant, length: int) -> tuple[int, int]:
     """(block_m, block_n) of the forward kernel at bfloat16 and head dim 128 on this GPU (sm90
-    without one): the tiles its loop skips or visits."""
+    without one) for ``length`` keys: the tiles its loop skips or visits (the short tiles of
+    causal-like masks up to plan.SHORT_KV keys)."""
     target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
-    t = plan.choose_tiles("attn_fwd", plan.Spec("bfloat16", 128, 128, 1, target),
-                          sparse=bool(variant.analysis.facts.captures_in_mask))
-    return t.block_m, t.block_n
+    kernel = plan.build("fwd", variant.analysis, plan.Spec("bfloat16", 128, 128, 1, target, tma="auto", ws="auto"),
+                        variant.captures)
+    fn = "attn_fwd_short" if length <= kernel.short_kv else "attn_fwd"
+    return kernel.tiles[fn].block_m, kernel.tiles[fn].block_n
 
 
 def _tiled(x: torch.Tensor, bm: int, bn: int, fill: bool) -> torch.Tensor:
@@ -177,7 +179,7 @@ def save_png(classes: torch.Tensor, path: Path, title: str) -> None:
 def cmd_explain(args):
     compiled = load_target(args.target)
     if args.mask_ascii or args.mask_png:
-        bm, bn = args.tile or default_tile(compiled.variant)
+        bm, bn = args.tile or default_tile(compiled.variant, args.len)
         classes = tile_classes(compiled.variant, args.len, bm, bn)
         summary = (f"mask tiles of batch 0, head 0, length {args.len}, {bm}x{bn} tiles (rows: query tiles): "
                    "{} full, {} partial, {} empty".format(*[int((classes == c).sum()) for c in (2, 1, 0)]))
