@@ -262,7 +262,8 @@ def ws_pays(facts, spec: Spec) -> bool:
 # the warp-specialised forward with 128x64 tiles and 3 stages gave wrong results on an H200
 # (triton 3.6; found by the autotuner's check against the table's tiles): cap requests for more
 WS_MAX_STAGES = 2
-SHORT_KV = 2048  # keys up to which causal-like masks take short forward tiles (short_kv)
+SHORT_KV = (2048, 4096)  # keys up to which causal-like masks take short forward tiles: (identity
+                         # score_mod, score_mod without per-entry gathers), see short_kv
 
 
 def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> int:
@@ -271,12 +272,12 @@ def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> i
     entries computed on the tiles the diagonal crosses. H200, bf16, forward ms 128x128 -> 64x64
     (benchmarks/tune_sweep.py): at 1024 keys causal 0.250 -> 0.217, ALiBi 0.256 -> 0.211,
     softcap 0.275 -> 0.226, GQA 0.246 -> 0.214, prefix-LM 0.339 -> 0.326, dropout 0.314 -> 0.292;
-    at 2048 1.02-1.14x; at 4096 ALiBi and softcap 1.10x but prefix-LM 0.95x, dropout and GQA 0.99x,
-    and the benchmark's forward+backward did not gain; at 16k causal and dropout 0.91x. A
-    score_mod that gathers a captured tensor per entry (a relative-position table) was slower
-    with them (0.586 -> 0.702 ms at 1024) and keeps 128x128. The interpreter takes 16x32 tiles
-    up to 64 keys, so that CPU tests run this launch path. Off when tiles are chosen otherwise
-    (autotuner, ATTNCC_TILES)."""
+    at 2048 1.02-1.14x; at 4096 ALiBi 0.694 -> 0.629 and softcap 0.758 -> 0.692, but prefix-LM
+    0.95x, dropout and GQA 0.99x, so only score mods keep them to 4096; at 16k causal and dropout
+    0.91x. A score_mod that gathers a captured tensor per entry (a relative-position table) was
+    slower with them (0.586 -> 0.702 ms at 1024) and keeps 128x128. The interpreter takes 16x32
+    tiles up to 64 keys, so that CPU tests run this launch path. Off when tiles are chosen
+    otherwise (autotuner, ATTNCC_TILES)."""
     if facts.mask_trivial or block_sparse or mask_class != "masked" or spec.tiles or config.tile_overrides():
         return 0
     if spec.target == "interpreter":
@@ -284,7 +285,7 @@ def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> i
     d = max(_pow2(spec.head_dim), _pow2(spec.head_dim_v))
     if spec.dtype == "float32" or d != 128 or _gathers_per_entry(score):
         return 0
-    return SHORT_KV
+    return SHORT_KV[0] if facts.score_identity else SHORT_KV[1]
 
 
 def _gathers_per_entry(expr) -> bool:

@@ -150,11 +150,12 @@ def test_warp_specialized_only_without_a_mask():
 
 def test_short_tiles_rule():
     """Causal-like masks (neither banded nor data-dependent) at head dim 128 take 64x64 forward
-    tiles up to plan.SHORT_KV keys; not full attention, windows, document masks, score mods that
-    gather a table per entry, other head dims, float32, or tiles chosen by the autotuner."""
+    tiles up to 2048 keys (4096 with a score_mod, plan.SHORT_KV); not full attention, windows,
+    document masks, score mods that gather a table per entry, other head dims, float32, or tiles
+    chosen by the autotuner."""
     from attncc import plan
     from attncc.spec import Spec
-    short = {"causal": 2048, "prefix_lm": 2048, "alibi": 2048, "softcap": 0, "full": 0,  # softcap: no mask
+    short = {"causal": 2048, "prefix_lm": 2048, "alibi": 4096, "softcap": 0, "full": 0,  # softcap: no mask
              "sliding_window": 0, "document": 0, "rel_bias": 0}
     for name, want in short.items():
         v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
