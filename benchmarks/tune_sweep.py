@@ -77,7 +77,7 @@ def main(argv=None):
     target.write_text(json.dumps({"environment": env, "cells": cells,
                                   "entries": tune._table(tune.table_path("cuda", torch.device(DEVICE)))},
                                  indent=1, default=str) + "\n")
-    print(f"\n| variant | shape | kernel | table ms | tuned ms | speedup | choice |\n|---|---|---|---|---|---|---|")
+    print("\n| variant | shape | kernel | table ms | tuned ms | speedup | choice |\n|---|---|---|---|---|---|---|")
     for c in cells:
         print(f"| {c['variant']} | {c['shape']} | {c['kernel']} | {c['default_ms']:.4f} | {c['tuned_ms']:.4f} | "
               f"{c['speedup']:.3f}x | {json.dumps(c['choice'])} |")
