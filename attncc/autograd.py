@@ -66,7 +66,7 @@ class Launch:
                                  fwd.CLASS_PER_HEAD, q.device)
 
 
-_shrink: dict = {}  # (variant, kernel, spec) -> the tile shrink level that fits the GPU
+_fitted: dict = {}  # (variant, kernel, spec) -> the spec (tile shrink level) that launched
 
 
 def with_fallback(compiled, kernel: str, spec, run, q, k):
@@ -77,12 +77,15 @@ def with_fallback(compiled, kernel: str, spec, run, q, k):
         from . import tune
         spec = tune.tuned_spec(compiled, kernel, spec, run, q, k)
     key = (compiled.variant.ir_key, kernel, spec)
-    level = _shrink.get(key, 0)
+    fitted = _fitted.get(key)
+    if fitted is not None:  # launched before: the tiles fit
+        return run(compiled.module(kernel, fitted))
+    level = 0
     while True:
         try:
             fitted = spec if level == spec.shrink else dataclasses.replace(spec, shrink=level)
             result = run(compiled.module(kernel, fitted))
-            _shrink[key] = level
+            _fitted[key] = fitted
             return result
         except Exception as e:  # triton.runtime.errors.OutOfResources; triton is imported lazily
             if type(e).__name__ != "OutOfResources" or level >= 4:
@@ -116,14 +119,20 @@ def lookup(key: str):
                       f"(variant key {key!r})")
 
 
+_specs: dict = {}  # the Specs calls have built, by their fields: one object per kind of call
+
+
 def _launch(compiled, q, k, v, rng, scale, dropout_p, deterministic) -> Launch:
-    dtype = str(q.dtype).removeprefix("torch.")
     dropout = rng is not None
     target = runtime.target_for(q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tma, ws = runtime.descriptor_modes(target, q, k, v)
-    spec = Spec(dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], target, dropout,
-                tma=tma, ws=ws, positive_scale=scale > 0)
+    fields = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], target, dropout, tma, ws, scale > 0)
+    spec = _specs.get(fields)
+    if spec is None:
+        dtype, d, dv, group, *_ = fields
+        spec = _specs[fields] = Spec(str(dtype).removeprefix("torch."), d, dv, group, target, dropout,
+                                     tma=tma, ws=ws, positive_scale=scale > 0)
     seeds = (*rng.tolist(), dropout_p) if dropout else ()
     return Launch(compiled, spec, scale, seeds, deterministic)
 
@@ -259,4 +268,15 @@ def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training:
                                                   dropout_p, variant.deterministic)
     check_capture_indices(variant, query, key)
     launch = _launch(compiled, query, key, value, rng, variant.scale, dropout_p, variant.deterministic)
-    return AttentionFunction.apply(query, key, value, launch, *captures)
+    if torch.is_grad_enabled() and _wants_grad(query, key, value, captures):
+        return AttentionFunction.apply(query, key, value, launch, *captures)
+    return run_forward(launch, query, key, value, captures)  # nothing to differentiate: no autograd node
+
+
+def _wants_grad(query, key, value, captures) -> bool:
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        return True
+    for c in captures:  # a loop, not any(<generator>): this runs on every call (host time)
+        if c.requires_grad:
+            return True
+    return False

@@ -23,6 +23,13 @@ MAX_HEAD_DIM = 256
 
 def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM) -> int:
     """Validate query/key/value; return the GQA group size Hq // Hkv."""
+    # valid inputs pass one expression (host time per call); anything else gets its message below
+    if type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4:
+        (B, Hq, _, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
+        if (q.dtype in dtypes and q.dtype == k.dtype == v.dtype and B == Bk == Bv and Hkv == Hv and Lk == Lv
+                and D == Dk and 0 < D <= max_head_dim and 0 < Dv <= max_head_dim and Hkv and not Hq % Hkv
+                and (enable_gqa or Hq == Hkv) and q.device == k.device == v.device):
+            return Hq // Hkv
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise AttnccError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -264,11 +264,11 @@ def use_decode(q, k, v, dropout: bool, captures=()) -> bool:
     which sees one custom op)."""
     if dropout or torch.compiler.is_compiling():  # first: no guards on lengths in compiled graphs
         return False
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+    if not (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4):
+        return False  # (subclasses and bad inputs take the prefill path, whose checks name the problem)
+    if q.shape[2] > DECODE_MAX_Q or k.shape[2] < DECODE_MIN_KV:  # the common prefill call returns here
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captures)):
-        return False
-    return q.shape[2] <= DECODE_MAX_Q and k.shape[2] >= DECODE_MIN_KV
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captures)))
 
 
 def _check_positions(compiled, heads: int, batch: int, q_lens: list, kv_lens: list) -> None:
