@@ -190,3 +190,29 @@ def test_atomic_dq_option(monkeypatch, shape):
     variant = attncc.Variant(mask_mod=causal)
     assert attncc.compile(variant).bwd_spec(Spec("float32", 16, 16, 1, "interpreter"), ()).atomic_dq
     check_grads(*shape, mask_mod=causal)
+
+
+def test_autograd_node_only_when_something_needs_a_gradient():
+    """Calls with nothing to differentiate skip the autograd Function (host time) and give the
+    same numbers; a learnable captured tensor alone still gets its node and its gradient."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 17, 24) for _ in range(3))
+    bias = torch.randn(2)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + bias[h]
+
+    with torch.no_grad():
+        plain = attncc.attention(q, k, v, score)
+    assert plain.grad_fn is None
+    tracked = attncc.attention(q.clone().requires_grad_(), k, v, score)
+    assert tracked.grad_fn is not None
+    torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)
+    want = attncc.reference.attention(q.double(), k.double(), v.double(), score)
+    torch.testing.assert_close(plain.double(), want, rtol=2e-5, atol=2e-5)
+
+    bias.requires_grad_()
+    out = attncc.attention(q, k, v, score)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert bias.grad is not None and torch.isfinite(bias.grad).all() and bias.grad.abs().sum() > 0

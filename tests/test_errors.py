@@ -683,3 +683,20 @@ def test_capture_too_small_through_attention():
 def test_division_by_zero_in_a_mask_mod():
     with pytest.raises(attncc.AttnccError, match=r"mask_mod divides by an expression that is always 0"):
         attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: q_idx % (kv_idx - kv_idx) == 0).analysis
+
+
+def test_knobs_follow_the_environment(monkeypatch):
+    """attncc.config reads per-call knobs from os.environ's bytes mapping: setenv, delenv and a
+    bad value behave as with os.environ.get."""
+    from attncc import config
+    monkeypatch.delenv("ATTNCC_TMA", raising=False)
+    assert config.tma() == "auto"
+    monkeypatch.setenv("ATTNCC_TMA", "OFF")
+    assert config.tma() == "off"
+    monkeypatch.setenv("ATTNCC_AUTOTUNE", "1")
+    assert config.autotune() is True
+    monkeypatch.delenv("ATTNCC_AUTOTUNE")
+    assert config.autotune() is False
+    monkeypatch.setenv("ATTNCC_TMA", "sometimes")
+    with pytest.raises(attncc.AttnccError, match="ATTNCC_TMA='sometimes' is not one of auto, on, off"):
+        config.tma()
