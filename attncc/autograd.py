@@ -268,15 +268,16 @@ def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training:
                                                   dropout_p, variant.deterministic)
     check_capture_indices(variant, query, key)
     launch = _launch(compiled, query, key, value, rng, variant.scale, dropout_p, variant.deterministic)
-    if torch.is_grad_enabled() and _wants_grad(query, key, value, captures):
+    if needs_grad((query, key, value, *captures)):
         return AttentionFunction.apply(query, key, value, launch, *captures)
     return run_forward(launch, query, key, value, captures)  # nothing to differentiate: no autograd node
 
 
-def _wants_grad(query, key, value, captures) -> bool:
-    if query.requires_grad or key.requires_grad or value.requires_grad:
-        return True
-    for c in captures:  # a loop, not any(<generator>): this runs on every call (host time)
-        if c.requires_grad:
+def needs_grad(tensors) -> bool:
+    """Whether autograd will want gradients of any of ``tensors`` (grad mode on, one requires grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # a loop, not any(<generator>): this runs on every call (host time)
+        if t.requires_grad:
             return True
     return False

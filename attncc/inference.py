@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import runtime
+from .autograd import needs_grad
 from .checks import DTYPES, check_capture_indices, check_captures, check_index_ranges, check_qkv
 from .errors import AttnccError
 from .kvcache import KV_LENS_CU, KV_LENS_FIXED, _Cache
@@ -268,7 +269,7 @@ def use_decode(q, k, v, dropout: bool, captures=()) -> bool:
         return False  # (subclasses and bad inputs take the prefill path, whose checks name the problem)
     if q.shape[2] > DECODE_MAX_Q or k.shape[2] < DECODE_MIN_KV:  # the common prefill call returns here
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captures)))
+    return not needs_grad((q, k, v, *captures))
 
 
 def _check_positions(compiled, heads: int, batch: int, q_lens: list, kv_lens: list) -> None:
@@ -283,7 +284,7 @@ def _check_positions(compiled, heads: int, batch: int, q_lens: list, kv_lens: li
 
 def _no_grad(*tensors):
     """The inference kernels have no backward: refuse inputs or captured tensors that want one."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad(tensors):
         raise AttnccError("attncc's KV-cache and varlen kernels are forward-only (inference), but an input or a "
                           "captured tensor requires grad: call them under torch.no_grad() / "
                           "torch.inference_mode(), or use attncc.attention for training")

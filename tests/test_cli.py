@@ -3,6 +3,7 @@
 Generating a kernel's source needs no compilation, so these run fast on the CPU."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,9 +250,8 @@ def test_bench_on_gpu(capsys, mods):
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.startswith("| 256 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["attncc", "FlexAttention (compiled)", "SDPA flash, causal"]
-    for r in rows:
-        fwd, bwd = (float(c) for c in r.split("|")[3:5])
-        assert fwd > 0 and bwd > 0  # milliseconds; no ordering: timings of a tiny shape are noise
+    for r in rows:  # the forward and backward cells hold milliseconds (never compared: timings are noise)
+        assert all(re.fullmatch(r"\d+\.\d+", c.strip()) for c in r.split("|")[3:5]), r
     assert "[" in err and "3/3" in err  # the progress bar
 
 
