@@ -233,6 +233,45 @@ class BoolSymbol(sp.Symbol):
         raise NotImplementedError
 
 
+# Float twins of the position tiles. Integer position arithmetic that feeds float math (ALiBi's
+# slope * (kv_idx - q_idx)) is rewritten over them, so each score pays one float op instead of an
+# integer op plus an int -> float conversion, which Hopper issues at a quarter of the float rate
+# (as slow as the exp2). Exact while the positions and their sums stay below 2**24.
+QF, KVF = sp.symbols("q_idx_f kv_idx_f", real=True)
+_TWINS = {S.Q: QF, S.KV: KVF}
+
+
+def float_positions(expr):
+    """``expr``, a mod output the kernels use as a float, with its integer subexpressions built
+    from positions by +, -, integer multiples, abs, min and max rewritten over the float twins."""
+    return expr.xreplace(_TWINS) if _position_sum(expr) else _float_args(expr)
+
+
+def _float_args(expr):
+    if expr.is_Atom or isinstance(expr, AppliedUndef) or expr.is_integer:
+        return expr  # a capture's index, a floor division, a comparison: integer context
+    if isinstance(expr, sp.Piecewise):
+        return sp.Piecewise(*[(float_positions(e), c) for e, c in expr.args])
+    if isinstance(expr, sp.Pow):
+        return sp.Pow(float_positions(expr.base), expr.exp)
+    if isinstance(expr, (sp.Add, sp.Mul, sp.Function, sp.Min, sp.Max)) and not isinstance(expr, sp.logic.boolalg.Boolean):
+        return expr.func(*[float_positions(a) for a in expr.args])
+    return expr
+
+
+def _position_sum(e) -> bool:
+    """An integer expression over q_idx / kv_idx that float32 computes exactly (small values)."""
+    if not (e.is_integer and e.free_symbols & set(_TWINS)):
+        return False
+    for node in sp.preorder_traversal(e):
+        if isinstance(node, sp.Mul):
+            if sum(1 for a in node.args if not a.is_Integer) > 1:
+                return False  # q_idx * kv_idx can pass 2**24
+        elif not (node.is_Integer or node.is_Symbol or isinstance(node, (sp.Add, sp.Abs, sp.Min, sp.Max))):
+            return False
+    return True
+
+
 def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False) -> ModCode:
     """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
@@ -251,8 +290,11 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
         typed[sym] = typed_symbol(str(sym), expr)
         temps[i] = (typed[sym], expr)
     reduced = [r.xreplace(typed) for r in reduced]
-    varying = set(loop_symbols) | {S.SCORE}
+    varying = set(loop_symbols) | {S.SCORE} | {_TWINS[s] for s in loop_symbols if s in _TWINS}
     hoisted, body = [], []
+    for pos, twin in _TWINS.items():
+        if any(twin in e.free_symbols for e in outputs):
+            (body if pos in loop_symbols else hoisted).append((str(twin), f"{pos}.to(tl.float32)"))
     counts = {}
 
     def name(prefix, expr, invariant):

@@ -392,3 +392,32 @@ def test_load_mixing_scalar_and_tile_index():
     torch.manual_seed(26)
     q, k, v = randn_qkv(1, H, H, LQ, LKV, 16)
     check(q, k, v, head_row_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Position arithmetic in float context (printer.float_positions) and biases in log2 units
+
+
+def test_float_positions_rewrites_only_position_sums_used_as_floats():
+    import sympy as sp
+
+    from attncc.passes.symbolic import H, KV, Q, SCORE
+    from attncc.printer import KVF, QF, float_positions
+    cap = sp.Function("cap0")
+    assert float_positions(cap(H) * (KV - Q)) == cap(H) * (KVF - QF)  # ALiBi's distance
+    assert float_positions(KV - Q) == KVF - QF  # a derivative used as a float factor
+    assert float_positions(sp.Float(0.5) * sp.log(sp.Abs(KV - Q) + 1)) == sp.Float(0.5) * sp.log(sp.Abs(KVF - QF) + 1)
+    assert float_positions(sp.Max(0, KV - Q)) == sp.Max(0, KVF - QF)
+    # integer context stays integer: a capture's index, floor semantics, products of positions
+    for kept in (sp.Float(2.0) * cap(KV - Q), sp.Float(1.5) * sp.Mod(KV - Q, 7), KV * Q, sp.tanh(SCORE / 30)):
+        assert float_positions(kept) == kept
+    # a Piecewise keeps its integer conditions
+    assert float_positions(sp.Piecewise((KV - Q, Q > KV), (0.5, True))) == sp.Piecewise((KVF - QF, Q > KV), (0.5, True))
+
+
+def test_alibi_bias_runs_in_log2_units_and_a_gathered_table_keeps_score_mod():
+    alibi = attncc.compile(variant_of("alibi")).source("fwd", dtype=torch.float16, head_dim=64)
+    assert "s = qk * qk_scale + bias" in alibi and "score = qk * sm_scale" not in alibi
+    assert "(kv_idx_f - q_idx_f)" in alibi
+    rel = attncc.compile(variant_of("rel_bias")).source("bwd", dtype=torch.float16, head_dim=64)
+    assert "s = score_mod * 1.4426950408889634" in rel and "qk_scale + bias" not in rel
