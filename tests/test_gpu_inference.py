@@ -46,6 +46,24 @@ def test_decode(name, dtype, lq, lkv, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_kvcache_alibi_a_million_positions_in(dtype):
+    """ALiBi's slope * (kv_idx - q_idx) runs on float copies of the positions (exact below 2**24):
+    the keys that matter sit next to the query, a million positions in, where a rewrite such as
+    slope * kv_idx - slope * q_idx would lose ~0.06 to float32 rounding."""
+    torch.manual_seed(4)
+    hq, hkv, D, L = 2, 1, 32, 1 << 20
+    mods = BUILDERS["alibi"](1, hq, 1, L + 1, "cuda")
+    compiled = attncc.compile(attncc.Variant(*mods))
+    cache = attncc.KVCache(1, L + 1, hkv, D, dtype, "cuda")
+    k, v = (torch.randn(1, L + 1, hkv, D, device="cuda", dtype=dtype) for _ in range(2))
+    cache.append(k[:, :L], v[:, :L])
+    q = torch.randn(1, 1, hq, D, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        out, lse = compiled.with_kvcache(q, cache, k[:, L:], v[:, L:], return_lse=True)
+    _close(out[0], lse[0], *_ref_seq(mods, q[0], k[0], v[0], L, 0), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("page_size", [0, 16, 64, 256])
 def test_kvcache(name, dtype, page_size):
