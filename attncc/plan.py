@@ -388,7 +388,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     labels = [_label(captures[i] if i < len(captures) else None, i) for i in range(len(analysis.captures))]
     cap_info = tuple((nd, kind, lab) for (nd, kind), lab in zip(analysis.captures, labels))
     # a bias that gathers a captured tensor per score (a relative-position table) keeps the
-    # score_mod form: with the log2 form its backward measured 35-45% slower (H200, one run)
+    # score_mod form: its backward measured 35-45% slower than the committed benchmark rows in the
+    # one H200 run with the log2 form (not a same-run A/B; the mechanism is not understood)
     log2_bias = score is not None and f.score_bias and not _gathers_per_entry(score)
     outputs = []
     if score is not None:  # an additive bias goes in log2 units: s = q.k * scale * log2(e) + bias

@@ -4,6 +4,7 @@ Names inside generated kernels:
     score               the scaled score tile (float32)
     b, h                batch and query-head index of the program (scalars)
     q_idx, kv_idx       query / key positions: [BLOCK_M, 1] and [1, BLOCK_N] int32 tiles
+    q_idx_f, kv_idx_f   the same as float32, for position arithmetic used as a float
     capN_ptr            captured tensor N, with capN_size<d> and capN_stride<d> per dimension
 
 ``emit`` runs common-subexpression elimination over a kernel's mod expressions and splits the
