@@ -90,10 +90,10 @@ def test_tuned_kernels_match_reference_and_run_the_choice(tuning, monkeypatch):
     for e in entries.values():
         assert [t["choice"] for t in e["tried"]][0] == {}
         assert all("ms" in t for t in e["tried"]) and len(e["tried"]) == 2
-        # bookkeeping (the times are scripted by the fixture): the choice is the entry with the
-        # least recorded time, and the table's own time is kept beside it
-        assert e["ms"] == min(t["ms"] for t in e["tried"]) and e["default_ms"] == e["tried"][0]["ms"]
+        # the choice is the candidate the fixture scripted as faster; the entry keeps the figures
+        # it was given for it and for the table default (record keeping, not a speed check)
         assert e["choice"] == e["tried"][1]["choice"]
+        assert (e["ms"], e["default_ms"]) == (e["tried"][1]["ms"], e["tried"][0]["ms"])
 
     # a second call of the same size class tunes nothing and times nothing
     timed_before = len(tuning)
