@@ -127,7 +127,7 @@ class KernelPlan:
     grads: tuple = ()     # CapGrad per learnable load site (bwd)
     # score_mod = score + bias: the mods compute bias * log2(e) ("bias") and the kernels take
     # s = q.k * (scale * log2(e)) + bias, one FMA per score for the scale, the bias and the change
-    # to log2 units
+    # to log2 units (backward and decode kernels, see build)
     log2_bias: bool = False
     block_sparse: bool = False    # the mask reads captured tensors: precomputed tile lists drive the loops
     class_per_head: bool = False  # ... and reads b or h, so each (b, h) has its own tile classes
@@ -387,14 +387,19 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     keep = None if f.mask_trivial else analysis.mask
     labels = [_label(captures[i] if i < len(captures) else None, i) for i in range(len(analysis.captures))]
     cap_info = tuple((nd, kind, lab) for (nd, kind), lab in zip(analysis.captures, labels))
-    # a bias that gathers a captured tensor per score (a relative-position table) keeps the
-    # score_mod form: its backward measured 35-45% slower than the committed benchmark rows in the
-    # one H200 run with the log2 form (not a same-run A/B; the mechanism is not understood)
-    log2_bias = score is not None and f.score_bias and not _gathers_per_entry(score)
+    # The backward and decode kernels take an additive bias in log2 units over float positions
+    # (s = q.k * scale * log2(e) + bias). Same-run A/B on an H200 (bf16, ALiBi-causal, against
+    # the score_mod form with integer positions): backward 2.02 -> 1.97 ms at 4x16x4096x128 and
+    # 0.709 -> 0.697 at 16x16x1024x128, but the forward 0.62 -> 0.65 and 0.218 -> 0.221, so the
+    # forward keeps the score_mod form. A bias that gathers a captured tensor per score (a
+    # relative-position table) keeps it everywhere: one cross-run reading had its backward slower
+    # with the log2 form, never rechecked side by side.
+    log2_bias = kernel != "fwd" and score is not None and f.score_bias and not _gathers_per_entry(score)
     outputs = []
-    if score is not None:  # an additive bias goes in log2 units: s = q.k * scale * log2(e) + bias
+    if score is not None:
         outputs.append(("bias", LOG2E * (score - SCORE)) if log2_bias else ("score_mod", score))
-    outputs = [(label, printer.float_positions(e)) for label, e in outputs]
+    if kernel != "fwd":
+        outputs = [(label, printer.float_positions(e)) for label, e in outputs]
     if keep is not None:
         outputs.append(("keep", keep))
     grads = ()

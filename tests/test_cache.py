@@ -106,13 +106,13 @@ def test_snapshot_alibi_hoists_slopes_load():
     load = re.search(r"^\s+(\w+) = tl\.load\(cap0_ptr \+ \(h\)\.to\(tl\.int64\) \* cap0_stride0", before, re.M)
     assert load, f"slopes[h] is not loaded before the tile loop:\n{before}"
     assert "tl.load(cap0_ptr" not in loop, "slopes are (also) loaded inside the tile loop"
-    assert re.search(rf"bias = .*\b{load.group(1)}\b", loop), "the loop does not use the hoisted slope"
+    assert re.search(rf"score_mod = .*\b{load.group(1)}\b", loop), "the loop does not use the hoisted slope"
     assert "keep = (q_idx >= kv_idx)" in loop
-    # the distance is a float subtraction of position tiles converted once, not an integer
-    # subtraction converted per score
-    assert "q_idx_f = q_idx.to(tl.float32)" in before and "kv_idx_f = kv_idx.to(tl.float32)" in loop
-    assert re.search(r"bias = .*\(kv_idx_f - q_idx_f\)", loop)
-    assert "s = qk * qk_scale + bias" in loop
+    # the backward's distance is a float subtraction of position tiles converted once, not an
+    # integer subtraction converted per score (the forward measured faster with the latter)
+    bwd = _alibi_kernel().source("bwd", dtype=torch.float16, head_dim=64)
+    assert "q_idx_f = q_idx.to(tl.float32)" in bwd and "kv_idx_f = kv_idx.to(tl.float32)" in bwd
+    assert re.search(r"bias = .*\(kv_idx_f - q_idx_f\)", bwd)
 
 
 def test_snapshot_document_mask_hoists_query_ids_only():
@@ -180,9 +180,9 @@ def test_edited_cached_source_is_what_runs(tmp_path):
     first = _run_subprocess(str(tmp_path))
     (path,) = Path(first["folder"]).glob("fwd_*.py")
     src = path.read_text()
-    line = "s = qk * qk_scale + bias"  # the score_mod is an additive bias
+    line = "s = score_mod * 1.4426950408889634"
     assert line in src, src
-    path.write_text(src.replace(line, "s = (qk * qk_scale + bias) * 0.0"))
+    path.write_text(src.replace(line, line.replace("score_mod", "(score_mod * 0.0)")))
     edited = _run_subprocess(str(tmp_path))
     assert edited["codegen"] == 0
     assert edited["err"] > 1e-2  # uniform causal weights now, far from the reference

@@ -416,8 +416,13 @@ def test_float_positions_rewrites_only_position_sums_used_as_floats():
 
 
 def test_alibi_bias_runs_in_log2_units_and_a_gathered_table_keeps_score_mod():
-    alibi = attncc.compile(variant_of("alibi")).source("fwd", dtype=torch.float16, head_dim=64)
-    assert "s = qk * qk_scale + bias" in alibi and "score = qk * sm_scale" not in alibi
-    assert "(kv_idx_f - q_idx_f)" in alibi
+    kernel = attncc.compile(variant_of("alibi"))
+    for kind in ("bwd", "kv"):  # the backward and decode kernels take the log2 form
+        alibi = kernel.source(kind, dtype=torch.float16, head_dim=64)
+        assert "+ bias  # score_mod = score + bias, in log2 units" in alibi and "score = qk" not in alibi
+        assert "(kv_idx_f - q_idx_f)" in alibi
+    fwd = kernel.source("fwd", dtype=torch.float16, head_dim=64)  # the forward measured faster without
+    assert "score_mod = score + " in fwd and "s = score_mod * 1.4426950408889634" in fwd
+    assert "+ bias" not in fwd and "q_idx_f" not in fwd and "kv_idx_f" not in fwd
     rel = attncc.compile(variant_of("rel_bias")).source("bwd", dtype=torch.float16, head_dim=64)
     assert "s = score_mod * 1.4426950408889634" in rel and "qk_scale + bias" not in rel
