@@ -99,6 +99,22 @@ def test_changed_document_ids_reclassify():
     assert not torch.allclose(a, b)
 
 
+def test_two_document_layouts_of_one_mask_structure_keep_their_own_tiles():
+    """Variants of one structure share generated modules; each call's tile lists must come from
+    its own captured tensor (blocks.for_module remembers the last lists per module and lengths)."""
+    def doc_mask(doc):
+        return lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k)
+    docs = [torch.tensor([0] * 70 + [1] * 30), torch.tensor([0] * 10 + [1] * 90)]
+    kernels = [attncc.compile(attncc.Variant(mask_mod=doc_mask(d))) for d in docs]
+    assert kernels[0].variant.ir_key == kernels[1].variant.ir_key
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 100, 16) for _ in range(3))
+    for i in (0, 1, 0, 1):
+        ref = attncc.reference.attention(q.double(), k.double(), v.double(), mask_mod=doc_mask(docs[i]))
+        out = kernels[i](q, k, v)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5, i
+
+
 def test_per_head_data_dependent_mask():
     keep_from = torch.tensor([0, 30, 64])  # head h attends keys >= keep_from[h]
     mask = lambda b, h, q, k: (k >= keep_from[h]) & (q >= k)
