@@ -65,8 +65,8 @@ def tile_lists(fine: torch.Tensor, outer: int, inner: int, transpose: bool):
 
 _lists: dict = {}  # (id of a cached fine table, kernel, tiles) -> (that table, its tile lists)
 # The last lists handed out per (module, call lengths), with weak references to the captures and
-# their version counters and storage addresses: a repeated call with unchanged captures returns them after a few
-# attribute reads, without forming the fine table's key (~13 us of Python per call).
+# their version counters and storage addresses: a repeated call with unchanged captures gets them
+# back after a few attribute reads, without forming the fine table's key (~13 us per call).
 _recent: dict = {}
 
 

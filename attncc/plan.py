@@ -389,11 +389,12 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     cap_info = tuple((nd, kind, lab) for (nd, kind), lab in zip(analysis.captures, labels))
     # The backward and decode kernels take an additive bias in log2 units over float positions
     # (s = q.k * scale * log2(e) + bias). Same-run A/B on an H200 (bf16, ALiBi-causal, against
-    # the score_mod form with integer positions): backward 2.02 -> 1.97 ms at 4x16x4096x128 and
-    # 0.709 -> 0.697 at 16x16x1024x128, but the forward 0.62 -> 0.65 and 0.218 -> 0.221, so the
-    # forward keeps the score_mod form. A bias that gathers a captured tensor per score (a
-    # relative-position table) keeps it everywhere: one cross-run reading had its backward slower
-    # with the log2 form, never rechecked side by side.
+    # the score_mod form with integer positions): backward 2.02 -> 1.97 ms at 4x16x4096x128
+    # (1.967 -> 1.953 in a second A/B) and 0.709 -> 0.697 at 16x16x1024x128, unchanged at head
+    # dim 64; the forward 0.62 -> 0.65 and 0.218 -> 0.221, so the forward keeps the score_mod
+    # form. A bias that gathers a captured tensor per score (a relative-position table) keeps it
+    # everywhere: one cross-run reading had its backward slower with the log2 form, never
+    # rechecked side by side.
     log2_bias = kernel != "fwd" and score is not None and f.score_bias and not _gathers_per_entry(score)
     outputs = []
     if score is not None:
