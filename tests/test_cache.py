@@ -109,7 +109,7 @@ def test_snapshot_alibi_hoists_slopes_load():
     assert re.search(rf"score_mod = .*\b{load.group(1)}\b", loop), "the loop does not use the hoisted slope"
     assert "keep = (q_idx >= kv_idx)" in loop
     # the backward's distance is a float subtraction of position tiles converted once, not an
-    # integer subtraction converted per score (the forward measured faster with the latter)
+    # integer subtraction converted per score (the forward keeps the latter, see plan.build)
     bwd = _alibi_kernel().source("bwd", dtype=torch.float16, head_dim=64)
     assert "q_idx_f = q_idx.to(tl.float32)" in bwd and "kv_idx_f = kv_idx.to(tl.float32)" in bwd
     assert re.search(r"bias = .*\(kv_idx_f - q_idx_f\)", bwd)

@@ -1,5 +1,5 @@
 """Autotuning (ATTNCC_AUTOTUNE=1, attncc/tune.py): the tuned kernels still match the float64
-reference, the choice is the measured-fastest candidate and is what runs, it persists in a JSON
+reference, the candidate the tuner ranks first is what runs, the choice persists in a JSON
 file that a second process reads instead of tuning again, and a candidate whose outputs
 disagree with the table default's is never chosen."""
 from __future__ import annotations
@@ -90,8 +90,8 @@ def test_tuned_kernels_match_reference_and_run_the_choice(tuning, monkeypatch):
     for e in entries.values():
         assert [t["choice"] for t in e["tried"]][0] == {}
         assert all("ms" in t for t in e["tried"]) and len(e["tried"]) == 2
-        # the choice is the candidate the fixture scripted as faster; the entry keeps the figures
-        # it was given for it and for the table default (record keeping, not a speed check)
+        # record keeping: the choice is the candidate the fixture's scripted figures rank first,
+        # and the entry stores the figures it was handed for it and for the table default
         assert e["choice"] == e["tried"][1]["choice"]
         assert (e["ms"], e["default_ms"]) == (e["tried"][1]["ms"], e["tried"][0]["ms"])
 
