@@ -37,6 +37,7 @@ class Part:
 
 def registers(kernel) -> str:
     """n_regs / n_spills of the compiled attn_bwd (best effort across Triton versions)."""
+    kernel = getattr(kernel, "fn", kernel)  # an attncc.launcher.Launcher wraps the JITFunction
     for caches in (getattr(kernel, "device_caches", None), getattr(kernel, "cache", None)):
         for entry in (caches or {}).values():
             compiled = entry[0] if isinstance(entry, tuple) else entry

@@ -60,7 +60,7 @@ for L in (1000, 1500, 3000, 17):
     x = torch.randn(1, 4, L, 64, device=dev, dtype=torch.bfloat16)
     kern(x, x, x)
 mods = [m for (_, kk, _), (_, m) in attncc.api._loaded.items() if m is not None]
-fn = [m.attn_fwd for m in mods]
+fn = [getattr(m.attn_fwd, "fn", m.attn_fwd) for m in mods]  # a Launcher wraps the JITFunction
 def ncompiled(f):
     c = getattr(f, "device_caches", None)
     if c is not None:

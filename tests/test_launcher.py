@@ -1,0 +1,113 @@
+"""attncc.launcher: a repeated launch reuses a compiled kernel only when Triton would have.
+
+Triton itself is replaced by a recording stand-in (a compiled launch needs a GPU; the GPU tests
+run every kernel through the real thing): each test says which calls must go through Triton's
+own launch (which specialises and compiles) and which may relaunch the kernel directly, and
+checks the argument list a direct launch hands to the compiled kernel."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attncc import launcher
+
+
+def param(name, constexpr=False, free=False, default=None):
+    return SimpleNamespace(name=name, is_constexpr=constexpr, do_not_specialize=free, default=default)
+
+
+class FakeKernel:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *a):
+        self.log.append(("direct", a))
+
+
+class FakeJIT:
+    """fn[grid](*args, **kwargs) as Triton's JITFunction: logs the call, returns 'the compiled kernel'."""
+    params = [param("X"), param("n"), param("seed", free=True), param("scale"), param("mode"),
+              param("CONST_F", constexpr=True), param("BLOCK", constexpr=True), param("EVEN", constexpr=True, default=True)]
+
+    def __init__(self):
+        self.log = []
+        self.kernel = FakeKernel(self.log)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return self.kernel
+        return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fn = FakeJIT()
+    lau = launcher.Launcher(fn)
+    monkeypatch.setattr(lau, "device_and_stream", lambda: (0, "stream"))
+    monkeypatch.setattr(lau, "_runtime", SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    return fn, lau
+
+
+def kinds(fn):
+    return [entry[0] for entry in fn.log]
+
+
+def test_a_repeated_launch_goes_straight_to_the_compiled_kernel_with_every_argument_in_order(fake):
+    fn, lau = fake
+    x = torch.zeros(8)
+    lau[(3, 2)](x, 64, 7, 0.5, None, 1.5, BLOCK=32, num_warps=4)
+    lau[(3, 2)](x, 64, 9, 0.25, None, 1.5, BLOCK=32, num_warps=4)
+    assert kinds(fn) == ["triton", "direct"]
+    grid_and_handles = (3, 2, 1, "stream", "function", "metadata", None, None, None)
+    # the positional arguments, then BLOCK from the keywords and EVEN's default, as Triton binds them
+    assert fn.log[1][1] == grid_and_handles + (x, 64, 9, 0.25, None, 1.5, 32, True)
+
+
+@pytest.mark.parametrize("change", [
+    "misaligned tensor", "other dtype", "specialised int", "free int past 32 bits", "constexpr value",
+    "keyword constexpr", "launch option", "None for an int"])
+def test_a_launch_triton_would_specialise_differently_goes_through_triton(fake, change):
+    fn, lau = fake
+    x = torch.zeros(8)
+    args, kwargs = [x, 64, 7, 0.5, None, 1.5], dict(BLOCK=32, num_warps=4)
+    lau[(1,)](*args, **kwargs)
+    if change == "misaligned tensor":
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "other dtype":
+        args[0] = x.half()
+    elif change == "specialised int":
+        args[1] = 1
+    elif change == "free int past 32 bits":
+        args[2] = 1 << 40
+    elif change == "constexpr value":
+        args[5] = 2.5
+    elif change == "keyword constexpr":
+        kwargs["BLOCK"] = 64
+    elif change == "launch option":
+        kwargs["num_warps"] = 8
+    else:
+        args[4] = 3
+    lau[(1,)](*args, **kwargs)
+    assert kinds(fn) == ["triton", "triton"]
+    lau[(1,)](*args, **kwargs)  # ... and is then cached under its own key
+    assert kinds(fn) == ["triton", "triton", "direct"]
+
+
+def test_an_unknown_argument_type_or_a_launch_hook_always_goes_through_triton(fake, monkeypatch):
+    fn, lau = fake
+    for _ in range(2):
+        lau[(1,)](torch.zeros(8), 64, 7, 0.5, object(), 1.5, BLOCK=32)
+    assert kinds(fn) == ["triton", "triton"]
+    args = (torch.zeros(8), 64, 7, 0.5, None, 1.5)
+    lau[(1,)](*args, BLOCK=32)
+    monkeypatch.setattr(lau, "_runtime", SimpleNamespace(launch_enter_hook=print, launch_exit_hook=None))
+    lau[(1,)](*args, BLOCK=32)
+    monkeypatch.setattr(lau, "_runtime", SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]),
+                                                         launch_exit_hook=None))  # an empty HookChain
+    lau[(1,)](*args, BLOCK=32)
+    assert kinds(fn) == ["triton", "triton", "triton", "triton", "direct"]
