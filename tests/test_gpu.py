@@ -144,7 +144,9 @@ def test_direct_relaunch_matches_tritons_launch_on_gpu(name, dt):
     the compiled kernel directly and must give the same bits; a query 2 bytes off a 16-byte
     boundary specialises differently, goes through Triton again and still matches the reference."""
     dtype = DTYPES[dt]
-    B, H, L, D = 2, 4, 1000, 128
+    # head dim 80: the misaligned query adds a forward Spec (no descriptors); kept apart from the
+    # head-dim-128 modules that test_new_sequence_lengths_do_not_recompile counts
+    B, H, L, D = 2, 4, 1000, 80
     torch.manual_seed(zlib.crc32(f"relaunch-{name}-{dt}".encode()))
     score_mod, mask_mod = BUILDERS[name](B, H, L, L, "cuda")
     kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
