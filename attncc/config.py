@@ -69,6 +69,13 @@ def force_interpreter() -> bool:
     return _env("ATTNCC_INTERPRET", "") not in ("", "0")
 
 
+def direct_launch() -> bool:
+    """$ATTNCC_DIRECT_LAUNCH=0 launches every kernel through Triton's own launch path instead of
+    attncc.launcher's direct relaunch of an already compiled specialisation (read when a
+    generated module is loaded)."""
+    return _env("ATTNCC_DIRECT_LAUNCH", "1") != "0"
+
+
 def atomic_dq() -> bool:
     """$ATTNCC_BWD_DQ=atomic accumulates dQ with atomics in the dK/dV kernel instead of running
     the separate dQ kernel (the default, which is deterministic); kept to measure both."""

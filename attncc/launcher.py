@@ -2,12 +2,13 @@
 
 ``kernel[grid](*args, **kwargs)`` on a @triton.jit function binds every argument, specialises
 each one (type, 16-byte alignment, value 1), hashes the result, reads Triton's knobs, checks
-the kernel's globals and only then launches. For attncc's kernels (20 to 80 arguments) that is
-25-40 us of host time per launch against 8-10 us for the launch itself (H200, triton 3.6),
-and at 1k tokens the GPU waits for it. A ``Launcher`` keys each call on what Triton
-specialises on, computed in Python from the arguments, and launches a key's compiled kernel
-directly; a new key, a launch hook (profilers such as proton) or an argument it does not know
-goes through Triton's own launch, which also compiles.
+the kernel's globals and only then launches. For attncc's kernels (19 to 80 arguments) that
+took 26-47 us of host time per launch against 9-26 us for the compiled kernel's own launch
+(H200 machine, triton 3.6), and short kernels (decode, 1k-token training steps) wait for it.
+A ``Launcher`` keys each call on what Triton specialises on, computed in Python from the
+arguments, and launches a key's compiled kernel directly; a new key, a launch hook (profilers
+such as proton) or an argument it does not know goes through Triton's own launch, which also
+compiles. ``ATTNCC_DIRECT_LAUNCH=0`` leaves modules unwrapped (attncc.runtime.load).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 _I32 = (-(1 << 31), 1 << 31)
 SPECIALISED, FREE, CONST = range(3)
+MAX_KEYS = 4096  # keys one Launcher keeps before it starts over
 
 
 class Launcher:
@@ -47,6 +49,8 @@ class Launcher:
         if hit is None:
             kernel = self.fn[grid](*args, **kwargs)
             if key is not None and kernel is not None:
+                if len(self._kernels) >= MAX_KEYS:  # exact int values: many lengths, many keys
+                    self._kernels.clear()
                 tail = tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
                 self._kernels[key] = (kernel, tail)
             return kernel

@@ -107,7 +107,7 @@ def load(path: Path, interpret: bool):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-        if not interpret:
+        if not interpret and config.direct_launch():
             launcher.wrap(module)
         _modules[key] = module
         logger.debug("loaded %s in %.1f ms", path.name, 1e3 * (time.perf_counter() - start))

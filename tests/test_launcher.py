@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attncc import launcher
+from attncc import launcher, runtime
 
 
 def param(name, constexpr=False, free=False, default=None):
@@ -46,6 +46,7 @@ class FakeJIT:
 
 @pytest.fixture
 def fake(monkeypatch):
+    runtime._triton(for_cpu=True)  # a Launcher imports triton: let attncc choose the interpreter first
     fn = FakeJIT()
     lau = launcher.Launcher(fn)
     monkeypatch.setattr(lau, "device_and_stream", lambda: (0, "stream"))
@@ -111,3 +112,31 @@ def test_an_unknown_argument_type_or_a_launch_hook_always_goes_through_triton(fa
                                                          launch_exit_hook=None))  # an empty HookChain
     lau[(1,)](*args, BLOCK=32)
     assert kinds(fn) == ["triton", "triton", "triton", "triton", "direct"]
+
+
+@pytest.mark.parametrize("knob", [None, "0"])
+def test_a_compiled_module_launches_its_host_kernels_through_launchers_unless_switched_off(
+        knob, tmp_path, monkeypatch):
+    runtime._triton(for_cpu=True)
+    if knob is not None:
+        monkeypatch.setenv("ATTNCC_DIRECT_LAUNCH", knob)
+    path = tmp_path / f"host_kernels_{knob}.py"
+    path.write_text("from types import SimpleNamespace as N\n"
+                    "kernel = N(params=[N(name='X', is_constexpr=False, do_not_specialize=False, default=None)])\n"
+                    "helper = object()\n"
+                    "HOST_KERNELS = ('kernel',)\n")
+    module = runtime.load(path, interpret=False)
+    assert isinstance(module.kernel, launcher.Launcher) == (knob is None)
+    assert not isinstance(module.helper, launcher.Launcher)
+    assert not isinstance(runtime.load(tmp_path.joinpath(path.name), interpret=True).kernel, launcher.Launcher)
+
+
+def test_the_key_table_starts_over_when_full(fake, monkeypatch):
+    fn, lau = fake
+    monkeypatch.setattr(launcher, "MAX_KEYS", 3)
+    x = torch.zeros(8)
+    for n in (16, 32, 48, 64, 16):  # the fourth key clears the table: 16 is new again
+        lau[(1,)](x, n, 7, 0.5, None, 1.5, BLOCK=32)
+    assert kinds(fn) == ["triton"] * 5
+    lau[(1,)](x, 16, 7, 0.5, None, 1.5, BLOCK=32)
+    assert kinds(fn) == ["triton"] * 5 + ["direct"]
