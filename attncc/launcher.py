@@ -35,17 +35,17 @@ class Launcher:
         self._kernels: dict = {}  # key -> (compiled kernel, the arguments after the positional ones)
         from triton import knobs
         from triton.runtime import driver
-        self._runtime, self._driver = knobs.runtime, driver
+        self._knobs, self._driver = knobs.runtime, driver  # launch hooks; device and stream
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid, args, kwargs):
-        runtime = self._runtime
+        knobs = self._knobs
         device, stream = self.device_and_stream()
         key = self.key(device, args, kwargs)
         hit = self._kernels.get(key) if key is not None and not (
-            _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)) else None
+            _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
         if hit is None:
             kernel = self.fn[grid](*args, **kwargs)
             if key is not None and kernel is not None:

@@ -50,7 +50,7 @@ def fake(monkeypatch):
     fn = FakeJIT()
     lau = launcher.Launcher(fn)
     monkeypatch.setattr(lau, "device_and_stream", lambda: (0, "stream"))
-    monkeypatch.setattr(lau, "_runtime", SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    monkeypatch.setattr(lau, "_knobs", SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     return fn, lau
 
 
@@ -106,9 +106,9 @@ def test_an_unknown_argument_type_or_a_launch_hook_always_goes_through_triton(fa
     assert kinds(fn) == ["triton", "triton"]
     args = (torch.zeros(8), 64, 7, 0.5, None, 1.5)
     lau[(1,)](*args, BLOCK=32)
-    monkeypatch.setattr(lau, "_runtime", SimpleNamespace(launch_enter_hook=print, launch_exit_hook=None))
+    monkeypatch.setattr(lau, "_knobs", SimpleNamespace(launch_enter_hook=print, launch_exit_hook=None))
     lau[(1,)](*args, BLOCK=32)
-    monkeypatch.setattr(lau, "_runtime", SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]),
+    monkeypatch.setattr(lau, "_knobs", SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]),
                                                          launch_exit_hook=None))  # an empty HookChain
     lau[(1,)](*args, BLOCK=32)
     assert kinds(fn) == ["triton", "triton", "triton", "triton", "direct"]
