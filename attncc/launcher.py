@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .log import logger
+
 _I32 = (-(1 << 31), 1 << 31)
 SPECIALISED, FREE, CONST = range(3)
 MAX_KEYS = 4096  # keys one Launcher keeps before it starts over
@@ -33,6 +35,7 @@ class Launcher:
         self._names = tuple(p.name for p in params)
         self._defaults = {p.name: p.default for p in params}
         self._kernels: dict = {}  # key -> (compiled kernel, the arguments after the positional ones)
+        self._direct = True  # False after a direct launch failed: Triton's launch only
         from triton import knobs
         from triton.runtime import driver
         self._knobs, self._driver = knobs.runtime, driver  # launch hooks; device and stream
@@ -44,11 +47,11 @@ class Launcher:
         knobs = self._knobs
         device, stream = self.device_and_stream()
         key = self.key(device, args, kwargs)
-        hit = self._kernels.get(key) if key is not None and not (
+        hit = self._kernels.get(key) if key is not None and self._direct and not (
             _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
         if hit is None:
             kernel = self.fn[grid](*args, **kwargs)
-            if key is not None and kernel is not None:
+            if key is not None and kernel is not None and self._direct:
                 if len(self._kernels) >= MAX_KEYS:  # exact int values: many lengths, many keys
                     self._kernels.clear()
                 tail = tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
@@ -56,7 +59,13 @@ class Launcher:
             return kernel
         kernel, tail = hit
         x, y, z = (*grid, 1, 1)[:3]
-        kernel.run(x, y, z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+        try:
+            kernel.run(x, y, z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+        except TypeError as e:  # a Triton whose launcher takes other arguments (checked before launching)
+            logger.warning("attncc.launcher: direct launch of %s failed (%s); using Triton's launch from now on",
+                           self.fn, e)
+            self._kernels, self._direct = {}, False
+            return self.fn[grid](*args, **kwargs)
         return kernel
 
     def device_and_stream(self):

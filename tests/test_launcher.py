@@ -140,3 +140,17 @@ def test_the_key_table_starts_over_when_full(fake, monkeypatch):
     assert kinds(fn) == ["triton"] * 5
     lau[(1,)](x, 16, 7, 0.5, None, 1.5, BLOCK=32)
     assert kinds(fn) == ["triton"] * 5 + ["direct"]
+
+
+def test_a_launcher_whose_direct_launch_is_refused_falls_back_to_triton_for_good(fake, caplog):
+    fn, lau = fake
+
+    def refuse(*a):  # as a compiled kernel of a Triton whose launcher takes other arguments
+        fn.log.append(("refused", a))
+        raise TypeError("function takes exactly 12 arguments")
+    fn.kernel.run = refuse
+    args = (torch.zeros(8), 64, 7, 0.5, None, 1.5)
+    for _ in range(3):
+        lau[(1,)](*args, BLOCK=32)
+    assert kinds(fn) == ["triton", "refused", "triton", "triton"]
+    assert "direct launch" in caplog.text
