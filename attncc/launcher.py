@@ -8,7 +8,9 @@ took 26-47 us of host time per launch against 9-26 us for the compiled kernel's 
 A ``Launcher`` keys each call on what Triton specialises on, computed in Python from the
 arguments, and launches a key's compiled kernel directly; a new key, a launch hook (profilers
 such as proton) or an argument it does not know goes through Triton's own launch, which also
-compiles. ``ATTNCC_DIRECT_LAUNCH=0`` leaves modules unwrapped (attncc.runtime.load).
+compiles. Triton knobs that enter its compile options (debug, instrumentation) are read when
+a key is first launched, not again. ``ATTNCC_DIRECT_LAUNCH=0`` leaves modules unwrapped
+(attncc.runtime.load).
 """
 from __future__ import annotations
 
