@@ -9,8 +9,8 @@ A ``Launcher`` keys each call on what Triton specialises on, computed in Python 
 arguments, and launches a key's compiled kernel directly; a new key, a launch hook (profilers
 such as proton) or an argument it does not know goes through Triton's own launch, which also
 compiles. Triton knobs that enter its compile options (debug, instrumentation) are read when
-a key is first launched, not again. ``ATTNCC_DIRECT_LAUNCH=0`` leaves modules unwrapped
-(attncc.runtime.load).
+a key is first launched, not again. ``ATTNCC_DIRECT_LAUNCH=0`` makes every launch Triton's
+(attncc.runtime.load). Either way a Launcher launches on the GPU of its first argument.
 """
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ MAX_KEYS = 4096  # keys one Launcher keeps before it starts over
 
 class Launcher:
     """Wraps one @triton.jit kernel of a generated module: ``Launcher(fn)[grid](*args, **kwargs)``
-    launches exactly what ``fn[grid](*args, **kwargs)`` would."""
+    launches exactly what ``fn[grid](*args, **kwargs)`` would, on the GPU that holds the first
+    argument (Triton launches on the current device; a tensor on another GPU faults there).
+    ``direct=False``: always through Triton's launch."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, direct: bool = True):
         self.fn = fn
         params = fn.params
         # per argument: FREE (Triton never specialises on its value: only an int's width counts),
@@ -37,7 +39,7 @@ class Launcher:
         self._names = tuple(p.name for p in params)
         self._defaults = {p.name: p.default for p in params}
         self._kernels: dict = {}  # key -> (compiled kernel, the arguments after the positional ones)
-        self._direct = True  # False after a direct launch failed: Triton's launch only
+        self._direct = direct  # False: Triton's launch only (switched off, or a direct launch failed)
         from triton import knobs
         from triton.runtime import driver
         self._knobs, self._driver = knobs.runtime, driver  # launch hooks; device and stream
@@ -46,8 +48,16 @@ class Launcher:
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid, args, kwargs):
-        knobs = self._knobs
         device, stream = self.device_and_stream()
+        first = args[0] if args else None
+        at = first.get_device() if isinstance(first, torch.Tensor) else -1
+        if at >= 0 and at != device:  # the inputs live on another GPU than the current one
+            with torch.cuda.device(at):
+                return self._launch(grid, args, kwargs, *self.device_and_stream())
+        return self._launch(grid, args, kwargs, device, stream)
+
+    def _launch(self, grid, args, kwargs, device, stream):
+        knobs = self._knobs
         key = self.key(device, args, kwargs)
         hit = self._kernels.get(key) if key is not None and self._direct and not (
             _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
@@ -106,7 +116,7 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def wrap(module) -> None:
+def wrap(module, direct: bool = True) -> None:
     """Launch the kernels a generated module names in HOST_KERNELS through Launchers."""
     for name in getattr(module, "HOST_KERNELS", ()):
-        setattr(module, name, Launcher(getattr(module, name)))
+        setattr(module, name, Launcher(getattr(module, name), direct))

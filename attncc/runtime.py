@@ -97,7 +97,8 @@ def _addressable(t: torch.Tensor) -> bool:
 
 def load(path: Path, interpret: bool):
     """Import a generated module (once per process); @triton.jit becomes the interpreter if asked.
-    Compiled modules launch their HOST_KERNELS through attncc.launcher (less host time)."""
+    Compiled modules launch their HOST_KERNELS through attncc.launcher (on the inputs' GPU, with
+    less host time)."""
     key = (str(path), interpret)
     module = _modules.get(key)
     if module is None:
@@ -107,8 +108,8 @@ def load(path: Path, interpret: bool):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-        if not interpret and config.direct_launch():
-            launcher.wrap(module)
+        if not interpret:
+            launcher.wrap(module, direct=config.direct_launch())
         _modules[key] = module
         logger.debug("loaded %s in %.1f ms", path.name, 1e3 * (time.perf_counter() - start))
     return module

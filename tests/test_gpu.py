@@ -172,6 +172,36 @@ def test_direct_relaunch_matches_tritons_launch_on_gpu(name, dt):
     assert_close_to_reference(out, lse, ref, ref_lse, dtype)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", ["causal", "document"])
+def test_inputs_on_another_gpu_than_the_current_one(name):
+    """Forward, backward and decode of tensors on cuda:1 while cuda:0 is current (Triton launches
+    on the current device; attncc.launcher switches to the inputs' GPU)."""
+    assert torch.cuda.current_device() == 0
+    dev = torch.device("cuda", 1)
+    B, H, L, D = 2, 4, 1000, 64
+    torch.manual_seed(zlib.crc32(f"second-gpu-{name}".encode()))
+    score_mod, mask_mod = BUILDERS[name](B, H, L, L, dev)
+    kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
+    q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out, lse = kernel(q, k, v, return_lse=True)
+    ref, ref_lse = reference_on_gpu(q.detach(), k.detach(), v.detach(), score_mod, mask_mod)
+    assert_close_to_reference(out, lse, ref, ref_lse, torch.bfloat16)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref64 = attncc.reference.attention(q64, k64, v64, score_mod, mask_mod)
+    for got, want in zip((q.grad, k.grad, v.grad), torch.autograd.grad(ref64, (q64, k64, v64), dout.double())):
+        assert got.device == dev
+        assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
+    with torch.no_grad():  # one query over many keys: the split-KV decode kernel and its merge
+        q1 = q[:, :, -1:].detach()
+        out1, lse1 = kernel(q1, k.detach(), v.detach(), return_lse=True)
+    ref1, ref_lse1 = reference_on_gpu(q1, k.detach(), v.detach(), score_mod, mask_mod)
+    assert_close_to_reference(out1, lse1, ref1, ref_lse1, torch.bfloat16)
+    assert torch.cuda.current_device() == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # No recompilation for new sequence lengths
 

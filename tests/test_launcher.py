@@ -6,6 +6,7 @@ own launch (which specialises and compiles) and which may relaunch the kernel di
 checks the argument list a direct launch hands to the compiled kernel."""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -115,7 +116,7 @@ def test_an_unknown_argument_type_or_a_launch_hook_always_goes_through_triton(fa
 
 
 @pytest.mark.parametrize("knob", [None, "0"])
-def test_a_compiled_module_launches_its_host_kernels_through_launchers_unless_switched_off(
+def test_a_compiled_module_launches_its_host_kernels_through_launchers_direct_unless_switched_off(
         knob, tmp_path, monkeypatch):
     runtime._triton(for_cpu=True)
     if knob is not None:
@@ -126,7 +127,8 @@ def test_a_compiled_module_launches_its_host_kernels_through_launchers_unless_sw
                     "helper = object()\n"
                     "HOST_KERNELS = ('kernel',)\n")
     module = runtime.load(path, interpret=False)
-    assert isinstance(module.kernel, launcher.Launcher) == (knob is None)
+    assert isinstance(module.kernel, launcher.Launcher)  # always: it also picks the GPU
+    assert module.kernel._direct == (knob is None)
     assert not isinstance(module.helper, launcher.Launcher)
     assert not isinstance(runtime.load(tmp_path.joinpath(path.name), interpret=True).kernel, launcher.Launcher)
 
@@ -154,3 +156,31 @@ def test_a_launcher_whose_direct_launch_is_refused_falls_back_to_triton_for_good
         lau[(1,)](*args, BLOCK=32)
     assert kinds(fn) == ["triton", "refused", "triton", "triton"]
     assert "direct launch" in caplog.text
+
+
+class OnGPU(torch.Tensor):
+    """A CPU tensor that reports living on GPU ``index`` (as get_device() does for CUDA tensors)."""
+    index = 1
+
+    def get_device(self):
+        return self.index
+
+
+@pytest.mark.parametrize("index", [1, 0])
+def test_a_launch_runs_on_the_gpu_of_its_first_argument(fake, monkeypatch, index):
+    fn, lau = fake
+    entered = []
+
+    @contextlib.contextmanager
+    def device(i):
+        entered.append(i)
+        fn.log.append(("on", i))
+        yield
+    monkeypatch.setattr(launcher.torch.cuda, "device", device)
+    monkeypatch.setattr(OnGPU, "index", index)
+    x = torch.zeros(8).as_subclass(OnGPU)
+    for _ in range(2):
+        lau[(1,)](x, 64, 7, 0.5, None, 1.5, BLOCK=32)
+    # the current device is 0 (the fixture): a tensor on GPU 1 switches there for each launch
+    assert kinds(fn) == (["on", "triton", "on", "direct"] if index == 1 else ["triton", "direct"])
+    assert entered == [index] * 2 * (index == 1)
