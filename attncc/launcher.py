@@ -58,12 +58,12 @@ class Launcher:
 
     def _launch(self, grid, args, kwargs, device, stream):
         knobs = self._knobs
-        key = self.key(device, args, kwargs)
-        hit = self._kernels.get(key) if key is not None and self._direct and not (
+        key = self.key(device, args, kwargs) if self._direct else None
+        hit = self._kernels.get(key) if key is not None and not (
             _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
         if hit is None:
             kernel = self.fn[grid](*args, **kwargs)
-            if key is not None and kernel is not None and self._direct:
+            if key is not None and kernel is not None:
                 if len(self._kernels) >= MAX_KEYS:  # exact int values: many lengths, many keys
                     self._kernels.clear()
                 tail = tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
