@@ -179,7 +179,7 @@ def test_inputs_on_another_gpu_than_the_current_one(name):
     on the current device; attncc.launcher switches to the inputs' GPU)."""
     assert torch.cuda.current_device() == 0
     dev = torch.device("cuda", 1)
-    B, H, L, D = 2, 4, 1000, 64
+    B, H, L, D = 2, 4, 2500, 64  # >= 2048 keys: decode splits them and merges
     torch.manual_seed(zlib.crc32(f"second-gpu-{name}".encode()))
     score_mod, mask_mod = BUILDERS[name](B, H, L, L, dev)
     kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
