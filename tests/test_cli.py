@@ -250,7 +250,7 @@ def test_bench_on_gpu(capsys, mods):
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.startswith("| 256 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["attncc", "FlexAttention (compiled)", "SDPA flash, causal"]
-    for r in rows:  # the forward and backward cells hold milliseconds (never compared: timings are noise)
+    for r in rows:  # the forward and backward cells are filled with numbers (their values are not checked)
         assert all(re.fullmatch(r"\d+\.\d+", c.strip()) for c in r.split("|")[3:5]), r
     assert "[" in err and "3/3" in err  # the progress bar
 

@@ -24,8 +24,8 @@ from variants import alibi_slopes, causal_mask
 @pytest.fixture
 def tuning(monkeypatch, tmp_path):
     """ATTNCC_AUTOTUNE=1 with a cache folder of the test's own and an empty in-process memory.
-    Candidate timings are scripted: the n-th timed run takes ``times[n]`` ms (default: each
-    candidate faster than the one before, so the last candidate wins)."""
+    Nothing is timed: tune._time is replaced by a script whose n-th call reports 10 - n, which
+    makes the tuner rank the last candidate first; the fixture returns the list of its calls."""
     monkeypatch.setenv("ATTNCC_AUTOTUNE", "1")
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tune, "_chosen", {})
@@ -177,12 +177,13 @@ def test_candidate_with_different_outputs_is_never_chosen(bad, monkeypatch):
         wrong_out[1, 2, 3, 4] = float("nan")
     else:
         wrong_lse[0, 0, 10] = -float("inf")  # a row masked that is not
-    fast, wrong = (64, 32, 1, 1), (32, 64, 1, 1)
-    compiled = _FakeCompiled({None: (out, lse), fast: (out.clone(), lse.clone()), wrong: (wrong_out, wrong_lse)},
-                             ms={None: 3.0, fast: 2.0, wrong: 1.0})
-    choices = [{}, {"tiles": {"attn_fwd": fast}}, {"tiles": {"attn_fwd": wrong}}]
+    agrees, wrong = (64, 32, 1, 1), (32, 64, 1, 1)
+    compiled = _FakeCompiled({None: (out, lse), agrees: (out.clone(), lse.clone()), wrong: (wrong_out, wrong_lse)},
+                             ms={None: 3.0, agrees: 2.0, wrong: 1.0})
+    choices = [{}, {"tiles": {"attn_fwd": agrees}}, {"tiles": {"attn_fwd": wrong}}]
     entry = tune.measure(compiled, "fwd", _spec(), _scripted_run(monkeypatch), choices)
-    assert entry["choice"] == {"tiles": {"attn_fwd": fast}}  # the fastest that agrees
+    # the wrong candidate's scripted figure ranks first, but its outputs disagree: it is dropped
+    assert entry["choice"] == {"tiles": {"attn_fwd": agrees}}
     assert "differ" in entry["tried"][2]["error"]
     assert [t.get("ms") for t in entry["tried"][:2]] == [3.0, 2.0]
 
