@@ -21,7 +21,7 @@ class Part:
     """Stands in for a module's attn_bwd: launches only one kind of its programs."""
 
     def __init__(self, kernel, part):
-        self.kernel, self.part = kernel, part
+        self.kernel, self.part = getattr(kernel, "fn", kernel), part  # the JITFunction a Launcher wraps
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -54,11 +54,13 @@ def probe(case, shape, warmup, rep):
     rand = lambda h: torch.randn(B, h, N, D, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v, dout = rand(H), rand(H // case.gqa), rand(H // case.gqa), rand(H)
     kernel = attncc.compile(attncc.Variant(case.score_mod, case.mask_mod))
-    out, lse = kernel(q, k, v, enable_gqa=case.gqa > 1, return_lse=True)
-    launch = autograd._launch(kernel, q, k, v, None, None, 0.0, False)
+    rng = torch.tensor([1234, 0]) if case.dropout_p else None  # (seed, offset) as autograd saves them
+    launch = autograd._launch(kernel, q, k, v, rng, None, case.dropout_p, False)
+    out, lse = autograd.run_forward(launch, q, k, v, [])
     module = kernel.module("bwd", kernel.bwd_spec(launch.spec, (), False))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    run = lambda: module.launch(q, k, v, out, lse, dout, None, dq, dk, dv, [], [], launch.scale)  # noqa: E731
+    run = lambda: module.launch(q, k, v, out, lse, dout, None, dq, dk, dv, [], [], launch.scale,  # noqa: E731
+                                *launch.rng)
     whole = module.attn_bwd
     res = {"all": bench.bench_ms(run, warmup, rep)}
     for part in ("dkdv", "dq"):
@@ -67,10 +69,11 @@ def probe(case, shape, warmup, rep):
             res[part] = bench.bench_ms(run, warmup, rep)
         finally:
             module.attn_bwd = whole
-    flex = bench.build("flex", case, N)
-    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-    fwd, fwdbwd = bench.time_fwd_bwd(flex, qf, kf, vf, [qf, kf, vf], dout, warmup, rep)
-    res["flex"] = fwdbwd - fwd
+    flex = bench.build("flex", case, N)  # None for dropout
+    if flex is not None:
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        fwd, fwdbwd = bench.time_fwd_bwd(flex, qf, kf, vf, [qf, kf, vf], dout, warmup, rep)
+        res["flex"] = fwdbwd - fwd
     return res, registers(whole)
 
 
@@ -87,8 +90,9 @@ def main():
         cases = make_cases(shape[1], shape[2], "cuda")
         for name in a.only.split(","):
             r, regs = probe(cases[name], shape, a.warmup, a.rep)
+            flex = f"{r['flex']:.3f} | {r['flex'] / r['all']:.2f}x" if "flex" in r else "n/a | n/a"
             print(f"| {name} | {'x'.join(map(str, shape))} | {r['all']:.3f} | {r['dkdv']:.3f} | {r['dq']:.3f} | "
-                  f"{r['flex']:.3f} | {r['flex'] / r['all']:.2f}x | {regs} |", flush=True)
+                  f"{flex} | {regs} |", flush=True)
 
 
 if __name__ == "__main__":
