@@ -46,7 +46,7 @@ def registers(kernel) -> str:
     return "?"
 
 
-def probe(case, shape, warmup, rep):
+def probe(case, shape, warmup, rep, flex=True):
     import attncc
     from attncc import autograd
     B, H, N, D = shape
@@ -69,7 +69,7 @@ def probe(case, shape, warmup, rep):
             res[part] = bench.bench_ms(run, warmup, rep)
         finally:
             module.attn_bwd = whole
-    flex = bench.build("flex", case, N)  # None for dropout
+    flex = bench.build("flex", case, N) if flex else None  # None for dropout
     if flex is not None:
         qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
         fwd, fwdbwd = bench.time_fwd_bwd(flex, qf, kf, vf, [qf, kf, vf], dout, warmup, rep)
@@ -83,13 +83,14 @@ def main():
     p.add_argument("--shapes", default="16x16x1024x128,4x16x4096x128,1x16x16384x128")
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes most of the time)")
     a = p.parse_args()
     print("| variant | shape | attn_bwd ms | dK/dV only | dQ only | Flex bwd ms | attncc/Flex | registers |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]:
         cases = make_cases(shape[1], shape[2], "cuda")
         for name in a.only.split(","):
-            r, regs = probe(cases[name], shape, a.warmup, a.rep)
+            r, regs = probe(cases[name], shape, a.warmup, a.rep, not a.no_flex)
             flex = f"{r['flex']:.3f} | {r['flex'] / r['all']:.2f}x" if "flex" in r else "n/a | n/a"
             print(f"| {name} | {'x'.join(map(str, shape))} | {r['all']:.3f} | {r['dkdv']:.3f} | {r['dq']:.3f} | "
                   f"{flex} | {regs} |", flush=True)
