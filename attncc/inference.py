@@ -26,9 +26,13 @@ MAX_HEAD_DIM, MAX_HEAD_DIM_V = 1024, 512  # the inference kernel splits D in two
 _INTERPRETER_SMS = 4  # the interpreter has no SMs; pretend a few so split-KV runs in CPU tests
 
 
-# fewer keys: no split. Splitting 1024 keys at B=1 runs 13.6 instead of 23.2 us from a CUDA graph
-# (H200), but the extra buffers and merge launch cost ~37 us of Python per eager call
+# fewer keys: no split in eager calls, where the split path's buffer and merge launch cost ~48 us
+# more host time per call than the 9 us of GPU time it saves at 1024 keys (H200 machine, B=1,
+# 32 query heads over 4 K/V heads: host 65 -> 113 us per call; GPU 22.8 -> 13.8 us). While a
+# CUDA graph is being captured, that host time is spent once, not per replay: splits start at
+# SPLIT_MIN_KV_CAPTURED keys (B=8 at 1024 keys 24.0 -> 17.3 us per replay)
 SPLIT_MIN_KV = 2048
+SPLIT_MIN_KV_CAPTURED = 512
 SPLIT_MIN_TILES = 4  # each split reads at least this many key tiles, so that merging stays cheap
 SMEM_PER_SM = 227 * 1024  # shared memory a Hopper SM gives its resident programs
 PAGED_STAGES = 5  # decode kernel pipeline depth for paged caches (decode_sweep.py --paged 64, H200)
@@ -67,15 +71,16 @@ def resident_programs(block_n: int, d: int, dv: int, stages: int, itemsize: int)
     return max(1, min(4, SMEM_PER_SM // max(1, stages * block_n * (d + dv) * itemsize)))
 
 
-def num_splits(programs: int, max_kv_len: int, block_n: int, slots: int, interpret: bool = False) -> tuple:
+def num_splits(programs: int, max_kv_len: int, block_n: int, slots: int, interpret: bool = False,
+               min_kv: int = SPLIT_MIN_KV) -> tuple:
     """(splits, keys per split) for flash-decoding. ``slots``: programs the GPU runs at once (SMs
     times resident programs). The splits fill one wave of slots, no more: a second, partly filled
     wave costs a whole split's time (H200, B=1, 128k keys: 264 programs 66.6 us, 512 programs
     76.1 us). Each split keeps at least SPLIT_MIN_TILES key tiles so that merging stays cheap;
-    below SPLIT_MIN_KV keys, or when the rows alone fill the GPU, one program per row tile. The
+    below ``min_kv`` keys, or when the rows alone fill the GPU, one program per row tile. The
     interpreter splits from one tile on, so that CPU tests run the split path."""
     min_tiles = 1 if interpret else SPLIT_MIN_TILES
-    if (max_kv_len < SPLIT_MIN_KV and not interpret) or programs >= slots:
+    if (max_kv_len < min_kv and not interpret) or programs >= slots:
         return 1, None
     tiles = -(-max(max_kv_len, 1) // block_n)
     splits = max(1, min(slots // max(programs, 1), tiles // min_tiles, 256))
@@ -139,7 +144,9 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
     # bit-identical results (a paged cache alone would run faster with one more program per SM:
     # H200, B=8, 128k keys, 64-token pages 537.7 -> 489.5 us)
     resident = resident_programs(block_n, d, dv, stages, q.element_size())
-    splits, split_len = num_splits(programs, max_kv_len, block_n, s.sms * resident, s.interpret)
+    captured = not s.interpret and torch.cuda.is_current_stream_capturing()
+    splits, split_len = num_splits(programs, max_kv_len, block_n, s.sms * resident, s.interpret,
+                                   SPLIT_MIN_KV_CAPTURED if captured else SPLIT_MIN_KV)
     dummy = s.dummy
     args = dict(batch=batch, max_q_len=max_q_len, cu_q=dummy if cu_q is None else cu_q, q_lens=cu_q is not None,
                 kv_lens=dummy if kv_lens is None else kv_lens, kv_mode=kv_mode,
@@ -155,8 +162,11 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
     if splits == 1:
         runtime.launch(s.module, q4, k4, v4, view(o_run), view(lse.unsqueeze(-1))[..., 0], captures, scale, **args)
     else:  # each split writes a normalised partial (o, lse); merge combines them
-        part_o = torch.empty((splits,) + out.shape, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((splits,) + lse.shape, dtype=torch.float32, device=q.device)
+        # one buffer for both (one allocation less per call): splits x (outputs, then lse)
+        n_o, n_l = out.numel(), lse.numel()
+        part = torch.empty((splits, n_o + n_l), dtype=torch.float32, device=q.device)
+        part_o = part[:, :n_o].view((splits,) + out.shape)
+        part_lse = part[:, n_o:].view((splits,) + lse.shape)
         runtime.launch(s.module, q4, k4, v4, view(part_o, 1), view(part_lse.unsqueeze(-1), 1)[..., 0], captures,
                        scale, split_len=split_len, num_splits=splits, **args)
         s.module.merge(part_o.view(splits, -1, dv), part_lse.view(splits, -1), o_run.view(-1, dv), lse.view(-1))

@@ -116,6 +116,45 @@ def test_paged_equals_contiguous(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_captured_in_a_cuda_graph(dtype, monkeypatch):
+    """While a CUDA graph is captured, decoding splits the keys from SPLIT_MIN_KV_CAPTURED on (an
+    eager call would not split 1000 keys); the replayed graph gives the reference's result, with
+    a contiguous and a paged cache alike, and replays with new inputs copied in."""
+    torch.manual_seed(6)
+    splits = []
+    num_splits = inference.num_splits
+    monkeypatch.setattr(inference, "num_splits", lambda *a, **kw: splits.append(num_splits(*a, **kw)[0]) or
+                        num_splits(*a, **kw))
+    mods = BUILDERS["softcap"](2, 32, 1, 1000, "cuda")  # position-free: the cache sees q_idx = 999
+    compiled = attncc.compile(attncc.Variant(*mods))
+    k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=dtype) for _ in range(2))
+    paged = attncc.PagedKVCache(2 * 1000 // 64 + 4, 64, 4, 128, dtype, "cuda", seed=0)
+    paged.append(k.transpose(1, 2), v.transpose(1, 2))
+    q = torch.zeros(2, 32, 1, 128, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        step = lambda: (compiled(q, k, v, enable_gqa=True, return_lse=True),  # noqa: E731
+                        compiled.with_kvcache(q.transpose(1, 2), paged))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        assert splits[-2:] == [1, 1]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            (out, lse), out_paged = step()
+        assert splits[-2] > 1 and splits[-1] == splits[-2]
+        for _ in range(2):
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref, ref_lse = attncc.reference.attention(q.double(), k.double(), v.double(), *mods, enable_gqa=True,
+                                                      return_lse=True)
+            _close(out, lse, ref, ref_lse, dtype)
+            assert torch.equal(out_paged.transpose(1, 2), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap"])
 def test_varlen(name, dtype):
     torch.manual_seed(3)

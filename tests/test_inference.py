@@ -51,6 +51,11 @@ def test_decode_splits_are_used():
     # on a GPU (132 SMs, 2 programs each): no split for short contexts or when the rows fill the
     # GPU; otherwise one wave of programs, each split a multiple of the tile
     assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, slots=264) == (1, None)
+    # while a CUDA graph is captured (host time spent once): split from SPLIT_MIN_KV_CAPTURED keys
+    assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, slots=264,
+                                min_kv=inference.SPLIT_MIN_KV_CAPTURED) == (4, 256)
+    assert inference.num_splits(programs=4, max_kv_len=256, block_n=64, slots=264,
+                                min_kv=inference.SPLIT_MIN_KV_CAPTURED) == (1, None)
     assert inference.num_splits(programs=264, max_kv_len=131072, block_n=64, slots=264) == (1, None)
     for n_prog, kv in [(4, 4096), (4, 131072), (32, 16384), (100, 5000)]:
         splits, split_len = inference.num_splits(programs=n_prog, max_kv_len=kv, block_n=64, slots=264)
