@@ -86,16 +86,21 @@ def test_atomic_dq_gpu(monkeypatch, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_dropout_gpu_matches_mask(dtype):
+@pytest.mark.parametrize("shape", [(2, 4, 1000, 1000, 64), (1, 4, 777, 1000, 128), (2, 2, 300, 300, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_dropout_gpu_matches_mask(dtype, shape):
+    """Forward and gradients with dropout against the reference applying attncc.dropout_mask: each
+    head dim launches its own tiles, and the dK/dV programs draw the mask transposed."""
     torch.manual_seed(0)
-    B, H, L, D = 2, 4, 1000, 64
-    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    B, H, Lq, Lkv, D = shape
+    q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, H, Lkv, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     torch.manual_seed(11)
     out = attncc.attention(q, k, v, mask_mod=causal, dropout_p=0.1)
     do = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), do)
     torch.manual_seed(11)
-    keep = attncc.dropout_mask(B, H, L, L, 0.1, device="cuda")
+    keep = attncc.dropout_mask(B, H, Lq, Lkv, 0.1, device="cuda")
     assert abs(keep.float().mean().item() - 0.9) < 0.01
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = attncc.reference.attention(qd, kd, vd, mask_mod=causal, dropout_p=0.1, dropout_mask=keep)
