@@ -56,11 +56,13 @@ def probe(case, shape, warmup, rep, flex=True):
     kernel = attncc.compile(attncc.Variant(case.score_mod, case.mask_mod))
     rng = torch.tensor([1234, 0]) if case.dropout_p else None  # (seed, offset) as autograd saves them
     launch = autograd._launch(kernel, q, k, v, rng, None, case.dropout_p, False)
-    out, lse = autograd.run_forward(launch, q, k, v, [])
+    captures = [c.tensor for c in kernel.variant.captures]  # document ids, slopes, bias tables
+    out, lse = autograd.run_forward(launch, q, k, v, captures)
     module = kernel.module("bwd", kernel.bwd_spec(launch.spec, (), False))
+    blocks = launch.blocks(module, q, k, captures)  # tile classes of a data-dependent mask
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    run = lambda: module.launch(q, k, v, out, lse, dout, None, dq, dk, dv, [], [], launch.scale,  # noqa: E731
-                                *launch.rng)
+    run = lambda: module.launch(q, k, v, out, lse, dout, None, dq, dk, dv, captures, [], launch.scale,  # noqa: E731
+                                *launch.rng, blocks=blocks)
     whole = module.attn_bwd
     res = {"all": bench.bench_ms(run, warmup, rep)}
     for part in ("dkdv", "dq"):
