@@ -39,6 +39,7 @@ class Launcher:
         self._names = tuple(p.name for p in params)
         self._defaults = {p.name: p.default for p in params}
         self._kernels: dict = {}  # key -> (compiled kernel, the arguments after the positional ones)
+        self._fast = None  # key function for the argument types of the first call (see fast_key)
         self._direct = direct  # False: Triton's launch only (switched off, or a direct launch failed)
         from triton import knobs
         from triton.runtime import driver
@@ -58,7 +59,12 @@ class Launcher:
 
     def _launch(self, grid, args, kwargs, device, stream):
         knobs = self._knobs
-        key = self.key(device, args, kwargs) if self._direct else None
+        if self._direct:
+            if self._fast is None:
+                self._fast = fast_key(self, args)
+            key = self._fast(device, args, kwargs)
+        else:
+            key = None
         hit = self._kernels.get(key) if key is not None and not (
             _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
         if hit is None:
@@ -109,6 +115,41 @@ class Launcher:
             else:
                 return None
         return tuple(parts) if len(args) <= len(self._modes) else None
+
+
+_FAST = object()  # first item of a fast_key key: never equal to one of Launcher.key
+
+
+def fast_key(launcher: Launcher, example: tuple):
+    """A key function for calls whose positional arguments have the types of ``example``: the
+    same information as Launcher.key in one generated expression instead of a loop over the
+    arguments (34 -> 9 us for 60 arguments on the CPU-only box). A call with other types, or
+    another number of arguments, goes to Launcher.key."""
+    slow = launcher.key
+    if len(example) > len(launcher._modes):
+        return slow
+    names, guards, parts = [], [], []
+    env = {"_slow": slow, "_FAST": _FAST}
+    for i, (a, mode) in enumerate(zip(example, launcher._modes)):
+        t, x = type(a), f"a{i}"
+        names.append(x)
+        env[f"T{i}"] = t
+        guards.append(f"type({x}) is not T{i}")
+        if mode == CONST or t in (int, bool, str) and mode == SPECIALISED or t in (bool, str):
+            parts.append(x)
+        elif isinstance(a, torch.Tensor):  # torch.Tensor or a subclass (nn.Parameter)
+            parts += [f"{x}.dtype", f"{x}.data_ptr() % 16 == 0"]
+        elif t is int:  # FREE: only the width Triton passes it with
+            parts += [f"-2147483648 <= {x} < 2147483648", f"{x} >= 9223372036854775808"]
+        elif t is not float and a is not None:  # tensor subclasses, descriptors: the general key
+            return slow
+    unpack = "".join(n + ", " for n in names)
+    source = (f"def key(device, args, kwargs):\n"
+              f"    try:\n        {unpack}= args\n    except ValueError:\n        return _slow(device, args, kwargs)\n"
+              f"    if {' or '.join(guards) or 'False'}:\n        return _slow(device, args, kwargs)\n"
+              f"    return (_FAST, device, tuple(kwargs.items()), {''.join(p + ', ' for p in parts)})\n")
+    exec(compile(source, f"<attncc.launcher key of {getattr(launcher.fn, '__name__', 'kernel')}>", "exec"), env)
+    return env["key"]
 
 
 def _hooked(hook) -> bool:

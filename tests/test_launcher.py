@@ -100,6 +100,35 @@ def test_a_launch_triton_would_specialise_differently_goes_through_triton(fake, 
     assert kinds(fn) == ["triton", "triton", "direct"]
 
 
+def test_the_generated_key_tells_calls_apart_exactly_as_the_general_key(fake):
+    """fast_key (one generated expression for the first call's argument types) puts two calls of
+    those types under one key exactly when Launcher.key does; calls with other types use
+    Launcher.key (a finer key: an nn.Parameter where the first call had a tensor is a new key,
+    one more pass through Triton's launch), so no two calls Triton tells apart share a key."""
+    _, lau = fake
+    x = torch.zeros(8)
+    base = (x, 64, 7, 0.5, None, 1.5)
+    variants = [base, (x[1:],) + base[1:], (x.half(),) + base[1:], (torch.zeros(4),) + base[1:],
+                (torch.nn.Parameter(torch.zeros(8)),) + base[1:],  # same dtype and alignment as x
+                base[:1] + (1,) + base[2:], base[:2] + (1 << 40,) + base[3:], base[:2] + (-5,) + base[3:],
+                base[:3] + (0.25,) + base[4:], base[:4] + (3,) + base[5:], base[:5] + (2.5,),
+                base[:5] + (True,), base[:5] + (1,)]
+    fast = launcher.fast_key(lau, base)
+    assert fast is not lau.key
+    for kw in ({"BLOCK": 32}, {"BLOCK": 64}, {"BLOCK": 32, "num_warps": 8}):
+        for a in variants:
+            for b in variants:
+                same_fast = fast(0, a, kw) == fast(0, b, {"BLOCK": 32})
+                same = lau.key(0, a, kw) == lau.key(0, b, {"BLOCK": 32})
+                if all(type(u) is type(w) for u, w in zip(a + b, base + base)):
+                    assert same_fast == same, (a, b, kw)
+                else:
+                    assert same or not same_fast, (a, b, kw)
+    assert fast(0, variants[9], {}) == lau.key(0, variants[9], {})  # None -> 3: another type
+    assert fast(0, base[:5], {}) == lau.key(0, base[:5], {})  # fewer arguments
+    assert launcher.fast_key(lau, (x, 64, 7, 0.5, object(), 1.5)) == lau.key  # unknown type: general
+
+
 def test_an_unknown_argument_type_or_a_launch_hook_always_goes_through_triton(fake, monkeypatch):
     fn, lau = fake
     for _ in range(2):
