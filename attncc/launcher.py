@@ -135,13 +135,13 @@ def fast_key(launcher: Launcher, example: tuple):
         names.append(x)
         env[f"T{i}"] = t
         guards.append(f"type({x}) is not T{i}")
-        if mode == CONST or t in (int, bool, str) and mode == SPECIALISED or t in (bool, str):
-            parts.append(x)
+        if mode == CONST or t in (bool, str) or (t is int and mode == SPECIALISED):
+            parts.append(x)  # the value itself
         elif isinstance(a, torch.Tensor):  # torch.Tensor or a subclass (nn.Parameter)
             parts += [f"{x}.dtype", f"{x}.data_ptr() % 16 == 0"]
         elif t is int:  # FREE: only the width Triton passes it with
             parts += [f"-2147483648 <= {x} < 2147483648", f"{x} >= 9223372036854775808"]
-        elif t is not float and a is not None:  # tensor subclasses, descriptors: the general key
+        elif t is not float and a is not None:  # tensor descriptors, other objects: the general key
             return slow
     unpack = "".join(n + ", " for n in names)
     source = (f"def key(device, args, kwargs):\n"

@@ -100,7 +100,7 @@ def test_a_launch_triton_would_specialise_differently_goes_through_triton(fake, 
     assert kinds(fn) == ["triton", "triton", "direct"]
 
 
-def test_the_generated_key_tells_calls_apart_exactly_as_the_general_key(fake):
+def test_the_generated_key_never_merges_calls_the_general_key_tells_apart(fake):
     """fast_key (one generated expression for the first call's argument types) puts two calls of
     those types under one key exactly when Launcher.key does; calls with other types use
     Launcher.key (a finer key: an nn.Parameter where the first call had a tensor is a new key,
