@@ -51,7 +51,7 @@ def test_decode_splits_are_used():
     # on a GPU (132 SMs, 2 programs each): no split for short contexts or when the rows fill the
     # GPU; otherwise one wave of programs, each split a multiple of the tile
     assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, slots=264) == (1, None)
-    # while a CUDA graph is captured (host time spent once): split from SPLIT_MIN_KV_CAPTURED keys
+    # while a CUDA graph is being captured: split from SPLIT_MIN_KV_CAPTURED keys
     assert inference.num_splits(programs=4, max_kv_len=1024, block_n=64, slots=264,
                                 min_kv=inference.SPLIT_MIN_KV_CAPTURED) == (4, 256)
     assert inference.num_splits(programs=4, max_kv_len=256, block_n=64, slots=264,
