@@ -100,33 +100,50 @@ def test_a_launch_triton_would_specialise_differently_goes_through_triton(fake, 
     assert kinds(fn) == ["triton", "triton", "direct"]
 
 
-def test_the_generated_key_never_merges_calls_the_general_key_tells_apart(fake):
-    """fast_key (one generated expression for the first call's argument types) puts two calls of
-    those types under one key exactly when Launcher.key does; calls with other types use
-    Launcher.key (a finer key: an nn.Parameter where the first call had a tensor is a new key,
-    one more pass through Triton's launch), so no two calls Triton tells apart share a key."""
+def _signature_example(X, n, seed, scale, mode, CONST_F, BLOCK, EVEN=True):
+    """The parameters of FakeJIT, for Triton's own binder."""
+
+
+def triton_specialisation():
+    """Triton's own binder for FakeJIT's parameters (as a CUDA kernel for sm90): what Triton
+    compiles a launch for is the specialisation and options it returns."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+    fn = JITFunction(_signature_example, do_not_specialize=["seed"])
+    for p in fn.params[5:]:
+        p.is_constexpr = True
+    bind = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+    return lambda args, kwargs: str(bind(*args, **kwargs)[1:])
+
+
+def test_two_calls_share_a_key_only_when_triton_specialises_them_alike(fake):
+    """Launcher.key (one generated function per tuple of argument types) against Triton's own
+    binder: calls with one key always get one compiled kernel from Triton; calls whose values
+    change only what Triton passes at launch (a free int, a float, a tensor's address) share a
+    key, however they are ordered; calls of other argument types get keys of their own."""
     _, lau = fake
+    specialise = triton_specialisation()
     x = torch.zeros(8)
     base = (x, 64, 7, 0.5, None, 1.5)
     variants = [base, (x[1:],) + base[1:], (x.half(),) + base[1:], (torch.zeros(4),) + base[1:],
                 (torch.nn.Parameter(torch.zeros(8)),) + base[1:],  # same dtype and alignment as x
-                base[:1] + (1,) + base[2:], base[:2] + (1 << 40,) + base[3:], base[:2] + (-5,) + base[3:],
-                base[:3] + (0.25,) + base[4:], base[:4] + (3,) + base[5:], base[:5] + (2.5,),
-                base[:5] + (True,), base[:5] + (1,)]
-    fast = launcher.fast_key(lau, base)
-    assert fast is not lau.key
-    for kw in ({"BLOCK": 32}, {"BLOCK": 64}, {"BLOCK": 32, "num_warps": 8}):
-        for a in variants:
-            for b in variants:
-                same_fast = fast(0, a, kw) == fast(0, b, {"BLOCK": 32})
-                same = lau.key(0, a, kw) == lau.key(0, b, {"BLOCK": 32})
-                if all(type(u) is type(w) for u, w in zip(a + b, base + base)):
-                    assert same_fast == same, (a, b, kw)
-                else:
-                    assert same or not same_fast, (a, b, kw)
-    assert fast(0, variants[9], {}) == lau.key(0, variants[9], {})  # None -> 3: another type
-    assert fast(0, base[:5], {}) == lau.key(0, base[:5], {})  # fewer arguments
-    assert launcher.fast_key(lau, (x, 64, 7, 0.5, object(), 1.5)) == lau.key  # unknown type: general
+                base[:1] + (1,) + base[2:], base[:1] + (True,) + base[2:], base[:2] + (1 << 40,) + base[3:],
+                base[:2] + (-5,) + base[3:], base[:3] + (0.25,) + base[4:], base[:4] + (3,) + base[5:],
+                base[:5] + (2.5,), base[:5] + (True,), base[:5] + (1,)]
+    kwargs = ({"BLOCK": 32}, {"BLOCK": 64}, {"BLOCK": 32, "num_warps": 8})
+    alike = {0, 3, 8, 9}  # base, another aligned float32 tensor, another 32-bit seed, another scale
+    calls = [(v, kw) for v in range(len(variants)) for kw in kwargs]
+    keys = [lau.key(0, variants[v], kw) for v, kw in calls]
+    assert None not in keys
+    for i, (v, kw) in enumerate(calls):
+        for j, (w, kw_w) in enumerate(calls):
+            if keys[i] == keys[j]:
+                assert specialise(variants[v], kw) == specialise(variants[w], kw_w), (variants[v], variants[w])
+            assert (keys[i] == keys[j]) == (kw == kw_w and (v == w or {v, w} <= alike)), (variants[v], variants[w])
+    assert lau.key(0, (x, 64, 9, 0.25, None, 1.5), {"BLOCK": 32}) == keys[0]  # a free int, a float
+    assert lau.key(0, (x, 64, 7, 0.5, object(), 1.5), {}) is None  # a type the key does not model
+    assert lau.key(0, base + (1, 2, 3), {}) is None  # more arguments than parameters
 
 
 def test_an_unknown_argument_type_or_a_launch_hook_always_goes_through_triton(fake, monkeypatch):
