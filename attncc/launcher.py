@@ -18,7 +18,7 @@ import torch
 
 from .log import logger
 
-_I32 = (-(1 << 31), 1 << 31)
+_I32 = (-(1 << 31), 1 << 31)  # a free int in this range is passed as int32, from 2**63 on as uint64
 SPECIALISED, FREE, CONST = range(3)
 MAX_KEYS = 4096  # keys one Launcher keeps before it starts over
 
@@ -118,7 +118,7 @@ def key_function(modes: tuple, example: tuple, tag: int):
         elif isinstance(a, torch.Tensor):  # torch.Tensor or a subclass (nn.Parameter)
             parts += [f"{x}.dtype", f"{x}.data_ptr() % 16 == 0"]
         elif t is int:  # FREE: only the width Triton passes it with
-            parts += [f"-2147483648 <= {x} < 2147483648", f"{x} >= 9223372036854775808"]
+            parts += [f"{_I32[0]} <= {x} < {_I32[1]}", f"{x} >= {1 << 63}"]
         elif t.__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor: a host TMA descriptor
             parts += [f"{x}.base.dtype", f"tuple({x}.block_shape)", f"getattr({x}, 'padding', None)",
                       f"getattr({x}, 'round_f32_to_tf32', None)"]

@@ -100,7 +100,8 @@ def test_a_launch_triton_would_specialise_differently_goes_through_triton(fake, 
     assert kinds(fn) == ["triton", "triton", "direct"]
 
 
-def _signature_example(X, n, seed, scale, mode, CONST_F, BLOCK, EVEN=True):
+def _signature_example(X, n, seed, scale, mode, CONST_F: "tl.constexpr", BLOCK: "tl.constexpr",
+                       EVEN: "tl.constexpr" = True):
     """The parameters of FakeJIT, for Triton's own binder."""
 
 
@@ -111,8 +112,7 @@ def triton_specialisation():
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
     fn = JITFunction(_signature_example, do_not_specialize=["seed"])
-    for p in fn.params[5:]:
-        p.is_constexpr = True
+    assert [p.is_constexpr for p in fn.params] == [p.is_constexpr for p in FakeJIT.params]
     bind = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
     return lambda args, kwargs: str(bind(*args, **kwargs)[1:])
 
