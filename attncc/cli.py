@@ -125,7 +125,7 @@ def cmd_show(args):
 def default_tile(variant: Variant, length: int) -> tuple[int, int]:
     """(block_m, block_n) of the forward kernel at bfloat16 and head dim 128 on this GPU (sm90
     without one) for ``length`` keys: the tiles its loop skips or visits (the short tiles of
-    causal-like masks up to plan.short_kv keys)."""
+    causal-like masks up to tiles.short_kv keys)."""
     target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
     kernel = plan.build("fwd", variant.analysis, plan.Spec("bfloat16", 128, 128, 1, target, tma="auto", ws="auto"),
                         variant.captures)

@@ -20,8 +20,8 @@ class Spec:
     shrink: int = 0          # > 0 after the chosen tiles ran out of shared memory: smaller tiles
     positive_scale: bool = True  # fwd, kv: scale > 0 (with an identity score_mod, plan.fold_scale)
     tma: str = "off"         # fwd: K/V tiles through tensor descriptors (TMA): "off", "auto" (where it
-                             # measured faster, plan.tma_pays), "on" (always)
+                             # measured faster, tiles.tma_pays), "on" (always)
     ws: str = "off"          # fwd: warp-specialised key loop for variants without a mask: "off",
-                             # "auto" (where it measured faster, plan.ws_pays), "on" (where it fits)
+                             # "auto" (where it measured faster, tiles.ws_pays), "on" (where it fits)
     tiles: tuple = ()        # ((kernel function, (block_m, block_n, num_warps, num_stages)), ...):
                              # tiles the autotuner measured fastest (attncc.tune), replacing the table

@@ -8,7 +8,7 @@ JSON file per GPU in the kernel cache folder, so that later calls and processes 
     candidate  the Spec fields that change the generated kernel: tiles (block_m, block_n,
                num_warps, num_stages) per kernel function and, on Hopper, whether the forward
                reads K/V through TMA and whether it warp-specialises; the first candidate is
-               attncc's measured table (attncc.plan.choose_tiles), unchanged
+               attncc's measured table (attncc.tiles.choose_tiles), unchanged
     check      a candidate's outputs must match the table's outputs on the same inputs within
                the dtype's tolerance; one that disagrees, fails to compile or runs out of shared
                memory is logged and dropped, never chosen

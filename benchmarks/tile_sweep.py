@@ -1,6 +1,6 @@
 """Sweep tile shapes / warps / stages of the generated kernels on the GPU (one subprocess per
 configuration, since ATTNCC_TILES is read when a kernel is generated). Prints a table; the best
-configurations become the defaults in attncc/plan.py:choose_tiles.
+configurations become the defaults in attncc/tiles.py:choose_tiles.
 
     python benchmarks/tile_sweep.py [--variants full,causal] [--shapes 4x16x4096x128,4x32x4096x64]
                                     [--kernels attn_fwd,attn_bwd_dkdv,attn_bwd_dq]

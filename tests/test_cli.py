@@ -111,7 +111,7 @@ def test_mask_ascii_causal(capsys, mods):
     assert _picture(out) == ["#" * i + "+" + "." * (7 - i) for i in range(8)]
     assert "batch 0, head 0" in out and "28 full, 8 partial, 28 empty" in out
     # the default tile is the forward kernel's at bf16, head dim 128: 64x64 up to 2048 keys
-    # (plan.short_kv), 128x128 past that
+    # (tiles.short_kv), 128x128 past that
     code, out, _ = run(capsys, "explain", f"{mods}:causal", "--mask-ascii", "--len", 256)
     assert "64x64 tiles" in out and _picture(out) == ["#" * i + "+" + "." * (3 - i) for i in range(4)]
     code, out, _ = run(capsys, "explain", f"{mods}:causal", "--mask-ascii", "--len", 2100)

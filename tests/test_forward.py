@@ -150,10 +150,10 @@ def test_warp_specialized_only_without_a_mask():
 
 def test_short_tiles_rule():
     """Causal-like masks (neither banded nor data-dependent) at head dim 128 take 64x64 forward
-    tiles up to 2048 keys (4096 with a score_mod, plan.SHORT_KV); not full attention, windows,
+    tiles up to 2048 keys (4096 with a score_mod, tiles.SHORT_KV); not full attention, windows,
     document masks, score mods that gather a table per entry, other head dims, float32, or tiles
     chosen by the autotuner."""
-    from attncc import plan
+    from attncc import plan, tiles
     from attncc.spec import Spec
     short = {"causal": 2048, "prefix_lm": 2048, "alibi": 4096, "softcap": 0, "full": 0,  # softcap: no mask
              "sliding_window": 0, "document": 0, "rel_bias": 0}
@@ -161,7 +161,7 @@ def test_short_tiles_rule():
         v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
         kernel = plan.build("fwd", v.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tma="auto"), v.captures)
         assert kernel.short_kv == want, name
-        assert (kernel.tiles.get("attn_fwd_short") == plan.Tiles(64, 64, 4, 3)) == bool(want), name
+        assert (kernel.tiles.get("attn_fwd_short") == tiles.Tiles(64, 64, 4, 3)) == bool(want), name
     table = torch.randn(4, 129)
     gathers = attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + 64], causal_mask)
     assert plan.build("fwd", gathers.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90"), gathers.captures).short_kv == 0

@@ -13,6 +13,7 @@ import pytest
 
 import attncc
 from attncc import cache, config, plan, runtime
+from attncc.tiles import Tiles, choose_tiles
 from conftest import check, randn_qkv
 
 LOGGER = "attncc"
@@ -83,7 +84,7 @@ def test_compile_time_logged_once_per_module(caplog):
 
 def _tile_log(caplog, fn, spec, sparse=False):
     caplog.clear()
-    tiles = plan.choose_tiles(fn, spec, sparse)
+    tiles = choose_tiles(fn, spec, sparse)
     logs = [m for m in messages(caplog, logging.DEBUG) if m.startswith(f"tiles of {fn} ")]
     assert len(logs) == 1, logs
     return tiles, logs[0]
@@ -163,6 +164,6 @@ def test_warp_specialized_stages_capped(caplog, monkeypatch):
     3.6, found by the autotuner): the request is capped at 2 with a warning."""
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     monkeypatch.setenv("ATTNCC_TILES", '{"attn_fwd_ws": [128, 64, 4, 3]}')
-    tiles = plan.choose_tiles("attn_fwd_ws", plan.Spec("bfloat16", 128, 128, 1, "cuda-sm90"))
-    assert tiles == plan.Tiles(128, 64, 4, 2)
+    tiles = choose_tiles("attn_fwd_ws", plan.Spec("bfloat16", 128, 128, 1, "cuda-sm90"))
+    assert tiles == Tiles(128, 64, 4, 2)
     assert any("at most 2 stages" in m for m in messages(caplog, logging.WARNING))

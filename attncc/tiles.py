@@ -1,0 +1,195 @@
+"""The measured speed choices of the generated kernels: tile shape, warps and pipeline depth per
+kernel function (choose_tiles, from a table measured on an H200 with benchmarks/tile_sweep.py and
+tune_sweep.py), and where the forward reads through tensor descriptors (tma_pays), runs
+warp-specialised (ws_fits, ws_pays) or launches short tiles for few keys (short_kv). Each rule
+quotes the measurement it came from; attncc.plan puts the choices into a KernelPlan."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from . import config
+from .log import logger
+from .passes.symbolic import KV, Q
+from .spec import Spec
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel function's tile (block_m rows of the outer loop, block_n of the inner one), warps
+    and software-pipeline stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def split_dim(n: int) -> tuple:
+    """A head dim as two power-of-two pieces (the second 0 when one suffices): 576 -> (512, 64),
+    80 -> (64, 16); the inference kernel loads and dots them separately instead of padding."""
+    if n <= 16 or n & (n - 1) == 0:
+        return pow2(n), 0
+    first = 1 << (n.bit_length() - 1)
+    return first, pow2(n - first)
+
+
+def choose_tiles(fn: str, spec: Spec, sparse: bool = False, mask_class: str = "none") -> Tiles:
+    """Tile shape, warps and pipeline depth for one kernel function on a target; each level of
+    ``spec.shrink`` drops a pipeline stage, then halves the streamed tile. ``mask_class``:
+    "none" (no mask), "masked", or "banded" (each query row reaches a bounded key range, like a
+    sliding window)."""
+    measured = dict(spec.tiles).get(fn)  # the autotuner's pick (attncc.tune) replaces the rules
+    t = Tiles(*measured) if measured else _base_tiles(fn, spec)
+    override = bool(config.tile_overrides().get(fn))
+    why = ("autotuned (ATTNCC_AUTOTUNE)" if measured else "interpreter default" if spec.target == "interpreter"
+           else "ATTNCC_TILES override" if override else "default table")
+    tuned = spec.target != "interpreter" and spec.dtype != "float32" and not override and not measured
+    fwd, bwd = fn == "attn_fwd", fn in ("attn_bwd_dkdv", "attn_bwd_dq")
+    d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
+    if tuned and sparse and ((fwd and t.block_n == 128) or (bwd and d == 128)):
+        # data-dependent masks: smaller tiles waste less on partial tiles (H200, document mask:
+        # forward 1.10-1.21x FlexAttention with 64x64 against 0.94-0.98x with 128x128; backward
+        # 0.738 -> 0.613 ms at 4x16x4096x128, 0.456 -> 0.428 ms at 16x16x1024x128 against the
+        # 64x128 / 128x64 default, where sliding window and full attention measured slower)
+        t = Tiles(64, 64, 4, 3)
+        why += ", then 64x64 for a data-dependent mask"
+    elif tuned and fwd and ((mask_class != "none" and d <= 64) or (mask_class == "banded" and d <= 128)):
+        # H200, bf16, 4x32x4096x64 forward ms, 64x64 against the 128x64 default: sliding window
+        # 0.40 / 0.55, ALiBi-causal 0.89 / 1.10, causal 0.68 / 0.71; 4x16x4096x128 sliding window
+        # 0.37 / 0.39 against 128x128 (benchmarks/tile_sweep.py)
+        t = Tiles(64, 64, 4, 3)
+        why += f", then 64x64 for a {mask_class} variant at head dim {d}"
+    elif tuned and fn == "attn_bwd_dkdv" and d <= 64 and not spec.dropout and mask_class != "none":
+        # H200, bf16, 4x32x4096x64 backward ms against the 32x128 default (benchmarks/
+        # tune_sweep.py): 32x64 document mask 0.884 -> 0.723, causal 2.149 -> 2.066, softcap
+        # 2.900 -> 2.616, ALiBi 2.382 -> 2.251; a sliding window (1.185 -> 1.156) and GQA (causal
+        # 2.347 -> 2.268) are fastest with 64x64 (32x64: 1.217, 2.395). Without a mask 32x64
+        # measured 1.01x in one sweep and 0.96x in another: the default stays
+        t = Tiles(64, 64, 4, 3) if mask_class == "banded" or spec.group > 1 else Tiles(32, 64, 4, 3)
+        why += f", then {t.block_m}x{t.block_n} at head dim <= 64"
+    elif tuned and fn == "attn_bwd_dkdv" and spec.dropout and d <= 64:
+        # dropout regenerates its keep-mask transposed in the dK/dV kernel; square tiles make that
+        # cheaper (H200, bf16, 4x32x4096x64 dropout-causal backward 4.68 -> 3.96 ms against the
+        # 32x128 default; at head dim 128, 64x64 is slower: 2.76 -> 3.98 ms)
+        t = Tiles(64, 64, 4, 3)
+        why += ", then 64x64 for dropout at head dim <= 64"
+    for _ in range(spec.shrink):
+        if t.num_stages > 1:
+            t = Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages - 1)
+        elif fn == "attn_bwd_dkdv" and t.block_m > 32:
+            t = Tiles(t.block_m // 2, t.block_n, t.num_warps, t.num_stages)
+        elif t.block_n > 32:
+            t = Tiles(t.block_m, t.block_n // 2, t.num_warps, t.num_stages)
+    if spec.shrink:
+        why += f", shrunk {spec.shrink} level(s) after running out of shared memory"
+    if fn == "attn_fwd_ws" and t.num_stages > WS_MAX_STAGES and spec.target != "interpreter":
+        logger.warning("attn_fwd_ws tiles %s: the warp-specialised loop runs at most %d stages (3 gave wrong "
+                       "results on triton 3.6); using %d", t, WS_MAX_STAGES, WS_MAX_STAGES)
+        t = Tiles(t.block_m, t.block_n, t.num_warps, WS_MAX_STAGES)
+    logger.debug("tiles of %s (%s, head dim %d/%d, %s): %dx%d, num_warps=%d, num_stages=%d (%s)", fn, spec.dtype,
+                 spec.head_dim, spec.head_dim_v, spec.target, t.block_m, t.block_n, t.num_warps, t.num_stages, why)
+    return t
+
+
+def tma_pays(facts, block_sparse: bool, mask_class: str, head_dim: int) -> bool:
+    """Whether the forward reads K/V through tensor descriptors under ATTNCC_TMA=auto: where it
+    measured faster, for data-dependent and banded masks, and for score mods at head dims above
+    64. H200, bf16, forward ms pointers -> TMA: document mask 0.370 -> 0.314 (4x32x4096x64),
+    sliding window 0.371 -> 0.330 (4x16x4096x128), ALiBi-causal 0.773 -> 0.687, softcap 0.785 ->
+    0.746, relative bias 1.741 -> 1.662; slower: full 1.119 -> 1.154, causal 0.645 -> 0.662,
+    dropout 0.997 -> 1.058, prefix-LM 0.664 -> 0.687, and at D=64 full 1.301 -> 1.392, relative
+    bias 2.400 -> 2.524 (softcap 0.98x, ALiBi 1.07x)."""
+    return block_sparse or mask_class == "banded" or (not facts.score_identity and head_dim > 64)
+
+
+def ws_fits(facts, block_sparse: bool, spec: Spec) -> bool:
+    """The warp-specialised loop has no mask code: variants without a mask or dropout."""
+    return facts.mask_trivial and not block_sparse and not spec.dropout
+
+
+def ws_pays(facts, spec: Spec) -> bool:
+    """Whether the forward warp-specialises under ATTNCC_WS=auto: where it measured faster. H200,
+    bf16, full attention, forward ms with ATTNCC_WS=off -> auto: 0.345 -> 0.342 (16x16x1024x128),
+    1.122 -> 1.046 (4x16x4096x128), 4.28 -> 3.99 (1x16x16384x128); a standalone kernel at head
+    dim 64 was slower (1.30 -> 1.41 at 4x32x4096x64). Triton 3.6 warp-specialises only a loop
+    whose loads all go through descriptors built on the device, with 4 warps per group (8 warps
+    compile unspecialised)."""
+    d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
+    return (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16") and d == 128
+            and facts.score_identity)
+
+
+# the warp-specialised forward with 128x64 tiles and 3 stages gave wrong results on an H200
+# (triton 3.6; found by the autotuner's check against the table's tiles): cap requests for more
+WS_MAX_STAGES = 2
+SHORT_KV = (2048, 4096)  # keys up to which causal-like masks take short forward tiles: (identity
+                         # score_mod, score_mod without per-entry gathers), see short_kv
+
+
+def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> int:
+    """Keys up to which a forward with a mask that cuts tiles (causal-like: neither banded nor
+    data-dependent) launches 64x64 tiles instead of 128x128 at head dims 65..128: fewer masked
+    entries computed on the tiles the diagonal crosses. H200, bf16, forward ms 128x128 -> 64x64
+    (benchmarks/tune_sweep.py): at 1024 keys causal 0.250 -> 0.217, ALiBi 0.256 -> 0.211,
+    softcap 0.275 -> 0.226, GQA 0.246 -> 0.214, prefix-LM 0.339 -> 0.326, dropout 0.314 -> 0.292;
+    at 2048 1.02-1.14x; at 4096 ALiBi 0.694 -> 0.629 and softcap 0.758 -> 0.692, but prefix-LM
+    0.95x, dropout and GQA 0.99x, so only score mods keep them to 4096; at 16k causal and dropout
+    0.91x. A score_mod that gathers a captured tensor per entry (a relative-position table) was
+    slower with them (0.586 -> 0.702 ms at 1024) and keeps 128x128. The interpreter takes 16x32
+    tiles up to 64 keys, so that CPU tests run this launch path. Off when tiles are chosen
+    otherwise (autotuner, ATTNCC_TILES)."""
+    if facts.mask_trivial or block_sparse or mask_class != "masked" or spec.tiles or config.tile_overrides():
+        return 0
+    if spec.target == "interpreter":
+        return 64
+    d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
+    if spec.dtype == "float32" or d != 128 or gathers_per_entry(score):
+        return 0
+    return SHORT_KV[0] if facts.score_identity else SHORT_KV[1]
+
+
+def gathers_per_entry(expr) -> bool:
+    """A captured tensor read at an index that changes with q_idx or kv_idx."""
+    return any({Q, KV} & set().union(*(a.free_symbols for a in load.args))
+               for load in expr.atoms(sp.core.function.AppliedUndef))
+
+
+def _base_tiles(fn: str, spec: Spec) -> Tiles:
+    override = config.tile_overrides().get(fn)
+    if override and spec.target != "interpreter":
+        return Tiles(*override)
+    if spec.target == "interpreter":
+        # small tiles keep several tiles and ragged edges in tests
+        return Tiles(16, 32, 1, 1) if fn in ("attn_kv_decode", "attn_fwd_short") else Tiles(32, 32, 1, 1)
+    d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
+    if fn in ("attn_kv", "attn_kv_decode"):  # inference; rows are (token, head) pairs of a GQA group
+        if d > 256:  # MLA: a 512-wide accumulator
+            return Tiles(16, 32, 4, 2) if fn == "attn_kv_decode" else Tiles(32, 32, 8, 2)
+        if fn == "attn_kv_decode":
+            return Tiles(16, 64 if d <= 128 else 32, 4, 3)
+        return Tiles(64, 64, 4, 3) if d <= 128 else Tiles(64, 32, 4, 2)
+    if spec.dtype == "float32":
+        return Tiles(64, 32, 4, 2) if d <= 128 else Tiles(32, 32, 4, 1)
+    # measured on an H200 with benchmarks/tile_sweep.py (bf16, causal and full, N=4096)
+    if fn == "attn_fwd_short":  # short_kv: causal-like masks over few keys
+        return Tiles(64, 64, 4, 3)
+    if fn == "attn_fwd_ws":  # two consumer warp groups of 4 warps; 3 stages overflow shared memory
+        return Tiles(128, 128, 4, 2) if d <= 128 else Tiles(64, 64, 4, 2)
+    if fn == "attn_fwd":
+        if d <= 64:
+            return Tiles(128, 64, 8, 3)
+        return Tiles(128, 128, 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
+    if fn == "attn_bwd_dkdv":  # BLOCK_N keys stay resident; BLOCK_M query rows stream
+        if d <= 64:
+            return Tiles(32, 128, 4, 3)
+        return Tiles(64, 128, 8, 3) if d <= 128 else Tiles(32, 64, 4, 2)
+    if fn == "attn_bwd_dq":
+        if d <= 64:
+            return Tiles(64, 64, 4, 3)
+        return Tiles(128, 64, 8, 3) if d <= 128 else Tiles(64, 32, 4, 2)
+    return Tiles(64, 64, 4, 1)  # attn_bwd_preprocess
