@@ -260,8 +260,8 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
         assert len(modules) == 1, "one specialisation must mean one generated module"
         counts.append(_compiled_count(modules[0].attn_fwd.fn))  # .fn: the Launcher's JITFunction
     assert attncc.cache.stats["codegen"] == codegen, "a new sequence length generated new source"
-    if counts[0] is None:
-        pytest.skip("this triton's JITFunction exposes no kernel cache to count")
+    # triton 3.6 and 3.9 keep JITFunction.device_caches: device -> (kernel cache, ...)
+    assert counts[0] is not None, "this triton's JITFunction exposes no kernel cache to count"
     assert counts[0] >= 1
     # causal-like masks launch short tiles up to SHORT_KV keys: one more kernel past that, no others
     short = modules[0].SHORT_KV
