@@ -59,10 +59,7 @@ class Launcher:
 
     def _launch(self, grid, args, kwargs, device, stream):
         knobs = self._knobs
-        if self._direct:
-            key = self.key(device, args, kwargs)
-        else:
-            key = None
+        key = self.key(device, args, kwargs) if self._direct else None
         hit = self._kernels.get(key) if key is not None and not (
             _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
         if hit is None:
