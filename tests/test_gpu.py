@@ -241,7 +241,8 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
     kernel = None
     counts = []
     codegen = None
-    lengths = (1000, 1500, 3000, 4500)
+    # ragged lengths (no multiple of 64) and whole ones (multiples of 128, whole for every tile)
+    lengths = (1000, 1500, 3000, 4500, 1024, 2048, 3072, 4096)
     for L in lengths:
         score_mod, mask_mod = BUILDERS[name](B, H, L, L, "cuda")
         if kernel is None:
@@ -263,10 +264,12 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
     # triton 3.6 and 3.9 keep JITFunction.device_caches: device -> (kernel cache, ...)
     assert counts[0] is not None, "this triton's JITFunction exposes no kernel cache to count"
     assert counts[0] >= 1
-    # causal-like masks launch short tiles up to SHORT_KV keys: one more kernel past that, no others
+    # one kernel per launch class, no others: causal-like masks launch short tiles up to SHORT_KV
+    # keys, and lengths that are whole tiles compile without bounds checks
     short = modules[0].SHORT_KV
-    tile_sets = len({L <= short for L in lengths}) if short else 1
-    assert counts[-1] - counts[0] == tile_sets - 1, f"Triton recompiled for new lengths: compiled kernels per call {counts}"
+    classes = [(bool(short) and L <= short, L % 128 == 0) for L in lengths]
+    expected = [len(set(classes[:i + 1])) - 1 for i in range(len(lengths))]
+    assert [c - counts[0] for c in counts] == expected, f"Triton recompiled for new lengths: compiled kernels per call {counts}"
 
 
 # ----------------------------------------------------------------------------------------------
