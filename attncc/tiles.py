@@ -128,7 +128,7 @@ def ws_pays(facts, spec: Spec) -> bool:
 # (triton 3.6; found by the autotuner's check against the table's tiles): cap requests for more
 WS_MAX_STAGES = 2
 SHORT_KV = (2048, 4096)  # keys up to which causal-like masks take short forward tiles: (identity
-                         # score_mod, score_mod without per-entry gathers), see short_kv
+                         # score_mod under GQA or dropout, any other), see short_kv
 
 
 def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> int:
@@ -137,9 +137,11 @@ def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> i
     entries computed on the tiles the diagonal crosses. H200, bf16, forward ms 128x128 -> 64x64
     (benchmarks/tune_sweep.py): at 1024 keys causal 0.250 -> 0.217, ALiBi 0.256 -> 0.211,
     softcap 0.275 -> 0.226, GQA 0.246 -> 0.214, prefix-LM 0.339 -> 0.326, dropout 0.314 -> 0.292;
-    at 2048 1.02-1.14x; at 4096 ALiBi 0.694 -> 0.629 and softcap 0.758 -> 0.692, but prefix-LM
-    0.95x, dropout and GQA 0.99x, so only score mods keep them to 4096; at 16k causal and dropout
-    0.91x. A score_mod that gathers a captured tensor per entry (a relative-position table) was
+    at 2048 1.02-1.14x; at 4096 ALiBi 0.694 -> 0.629 and softcap 0.758 -> 0.692, and since the
+    forward compiles out its bounds checks for whole tiles (commit bd0b1f6) causal 0.622 ->
+    0.588 and prefix-LM 0.663 -> 0.635 (4x16x4096x128), but GQA 0.627 -> 0.641 and dropout
+    0.99x (before that commit), so those two keep them to 2048; at 8192 causal, prefix-LM and
+    GQA 0.96-0.97x, at 16k causal and dropout 0.91x. A score_mod that gathers a captured tensor per entry (a relative-position table) was
     slower with them (0.586 -> 0.702 ms at 1024) and keeps 128x128. The interpreter takes 16x32
     tiles up to 64 keys, so that CPU tests run this launch path. Off when tiles are chosen
     otherwise (autotuner, ATTNCC_TILES)."""
@@ -150,7 +152,7 @@ def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> i
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
     if spec.dtype == "float32" or d != 128 or gathers_per_entry(score):
         return 0
-    return SHORT_KV[0] if facts.score_identity else SHORT_KV[1]
+    return SHORT_KV[0] if facts.score_identity and (spec.group > 1 or spec.dropout) else SHORT_KV[1]
 
 
 def gathers_per_entry(expr) -> bool:

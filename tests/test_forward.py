@@ -150,12 +150,12 @@ def test_warp_specialized_only_without_a_mask():
 
 def test_short_tiles_rule():
     """Causal-like masks (neither banded nor data-dependent) at head dim 128 take 64x64 forward
-    tiles up to 2048 keys (4096 with a score_mod, tiles.SHORT_KV); not full attention, windows,
-    document masks, score mods that gather a table per entry, other head dims, float32, or tiles
-    chosen by the autotuner."""
+    tiles up to 4096 keys (2048 for the identity score_mod under GQA or dropout, tiles.SHORT_KV);
+    not full attention, windows, document masks, score mods that gather a table per entry, other
+    head dims, float32, or tiles chosen by the autotuner."""
     from attncc import plan, tiles
     from attncc.spec import Spec
-    short = {"causal": 2048, "prefix_lm": 2048, "alibi": 4096, "softcap": 0, "full": 0,  # softcap: no mask
+    short = {"causal": 4096, "prefix_lm": 4096, "alibi": 4096, "softcap": 0, "full": 0,  # softcap: no mask
              "sliding_window": 0, "document": 0, "rel_bias": 0}
     for name, want in short.items():
         v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
@@ -166,6 +166,10 @@ def test_short_tiles_rule():
     gathers = attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + 64], causal_mask)
     assert plan.build("fwd", gathers.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90"), gathers.captures).short_kv == 0
     causal = attncc.Variant(mask_mod=causal_mask)
+    assert plan.build("fwd", causal.analysis, Spec("bfloat16", 128, 128, 4, "cuda-sm90")).short_kv == 2048  # GQA
+    assert plan.build("fwd", causal.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", True)).short_kv == 2048
+    alibi = attncc.Variant(*BUILDERS["alibi"](1, 4, 64, 64, "cpu"))
+    assert plan.build("fwd", alibi.analysis, Spec("bfloat16", 128, 128, 4, "cuda-sm90"), alibi.captures).short_kv == 4096
     for spec in (Spec("bfloat16", 64, 64, 1, "cuda-sm90"), Spec("float32", 128, 128, 1, "cuda-sm90"),
                  Spec("bfloat16", 128, 128, 1, "cuda-sm90", tiles=(("attn_fwd", (128, 64, 8, 3)),))):
         assert plan.build("fwd", causal.analysis, spec).short_kv == 0, spec
