@@ -141,10 +141,10 @@ def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> i
     forward compiles out its bounds checks for whole tiles (commit bd0b1f6) causal 0.622 ->
     0.588 and prefix-LM 0.663 -> 0.635 (4x16x4096x128), but GQA 0.627 -> 0.641 and dropout
     0.99x (before that commit), so those two keep them to 2048; at 8192 causal, prefix-LM and
-    GQA 0.96-0.97x, at 16k causal and dropout 0.91x. A score_mod that gathers a captured tensor per entry (a relative-position table) was
-    slower with them (0.586 -> 0.702 ms at 1024) and keeps 128x128. The interpreter takes 16x32
-    tiles up to 64 keys, so that CPU tests run this launch path. Off when tiles are chosen
-    otherwise (autotuner, ATTNCC_TILES)."""
+    GQA 0.96-0.97x, at 16k causal and dropout 0.91x. A score_mod that gathers a captured tensor
+    per entry (a relative-position table) was slower with them (0.586 -> 0.702 ms at 1024) and
+    keeps 128x128. The interpreter takes 16x32 tiles up to 64 keys, so that CPU tests run this
+    launch path. Off when tiles are chosen otherwise (autotuner, ATTNCC_TILES)."""
     if facts.mask_trivial or block_sparse or mask_class != "masked" or spec.tiles or config.tile_overrides():
         return 0
     if spec.target == "interpreter":

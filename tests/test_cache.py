@@ -122,7 +122,6 @@ def test_snapshot_document_mask_hoists_query_ids_only():
     assert "tl.load(cap1_ptr + (kv_idx)" in loop and "tl.load(cap1_ptr" not in before  # doc_kv[kv_idx]: per tile
 
 
-
 def _masked_loops(src: str) -> list[bool]:
     """For each loop of a generated kernel that runs mask or bounds-check code: whether it sits
     under an `if not EVEN_...` (compiled out when the lengths are whole tiles)."""
