@@ -75,6 +75,13 @@ class TileRange:
     reach_text: str           # the intervals as math, for a comment
     full_text: str
 
+    @property
+    def unbounded(self) -> bool:
+        """The mask bounds nothing (no mask, or a score_mod alone): every tile is whole, and only
+        a ragged one at the end of a length needs the masked loops."""
+        return not self.full_empty and self.reach_first is None and self.reach_end is None \
+            and self.full_first is None and self.full_end is None
+
 
 def _tile_range(mask, outer, inner, lo, hi, printer_) -> TileRange:
     tb = bounds_pass.derive(mask, outer, inner, lo, hi)
