@@ -113,19 +113,25 @@ def ws_fits(facts, block_sparse: bool, spec: Spec) -> bool:
 
 
 def ws_pays(facts, spec: Spec) -> bool:
-    """Whether the forward warp-specialises under ATTNCC_WS=auto: where it measured faster. H200,
-    bf16, full attention, forward ms with ATTNCC_WS=off -> auto: 0.345 -> 0.342 (16x16x1024x128),
-    1.122 -> 1.046 (4x16x4096x128), 4.28 -> 3.99 (1x16x16384x128); a standalone kernel at head
-    dim 64 was slower (1.30 -> 1.41 at 4x32x4096x64). Triton 3.6 warp-specialises only a loop
-    whose loads all go through descriptors built on the device, with 4 warps per group (8 warps
-    compile unspecialised)."""
+    """Whether the forward runs the persistent warp-specialised kernel (attn_fwd_ws) under
+    ATTNCC_WS=auto: where it measured faster. H200, bf16, full attention, forward ms, one program
+    per (Q tile, head) with the pointer loop -> persistent warp-specialised: 0.335 -> 0.257
+    (16x16x1024x128), 1.134 -> 0.995 (4x16x4096x128); at 1x16x16384x128 standalone kernels in
+    one process, one program per (Q tile, head) 3.97-4.11 -> persistent 3.89; cuDNN 0.23 / 0.92
+    / 3.60. At head dim 64 a standalone persistent kernel
+    gave 1.276 ms at 4x32x4096x64 against the pointer loop's 1.26-1.30. Under a causal mask the
+    one loop that compiles warp-specialised (mask code on every tile) was slower than the pointer
+    loops (16k: 2.42 against 2.19 ms). Triton 3.6 warp-specialises only loops whose loads all go
+    through descriptors built on the device, with 4 warps per group (8 warps compile
+    unspecialised)."""
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
     return (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16") and d == 128
             and facts.score_identity)
 
 
 # the warp-specialised forward with 128x64 tiles and 3 stages gave wrong results on an H200
-# (triton 3.6; found by the autotuner's check against the table's tiles): cap requests for more
+# (triton 3.6; found by the autotuner's check against the table's tiles, and NaN in a standalone
+# persistent kernel): cap requests for more
 WS_MAX_STAGES = 2
 SHORT_KV = (2048, 4096)  # keys up to which causal-like masks take short forward tiles: (identity
                          # score_mod under GQA or dropout, any other), see short_kv

@@ -104,27 +104,44 @@ def test_tma_forward_matches_reference(monkeypatch, name, dt, B, Hq, Hkv, Lq, Lk
 
 
 # (B, Hq, Hkv, Lq, Lkv, D, Dv): keys in whole interpreter tiles (32) and Lq % 4 == 0 take the
-# warp-specialised loop, the others the general loops of the same module
+# warp-specialised kernel, the others the general loops of the same module
 WS_CASES = [(2, 4, 4, 64, 96, 64, 64), (1, 6, 2, 20, 64, 80, 80), (2, 4, 1, 52, 32, 40, 24),
-            (1, 3, 3, 4, 128, 16, 16), (1, 4, 4, 33, 45, 64, 64), (2, 2, 2, 64, 17, 32, 32), (1, 2, 2, 17, 64, 16, 16)]
+            (1, 3, 3, 4, 128, 16, 16), (1, 4, 4, 33, 45, 64, 64), (2, 2, 2, 64, 17, 32, 32), (1, 2, 2, 17, 64, 16, 16),
+            (3, 2, 1, 96, 64, 32, 32)]
 
 
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("dt", ["fp32", "fp16"])
 @pytest.mark.parametrize("name", ["full", "scaled_tanh"])
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lkv,D,Dv", WS_CASES)
-def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv):
+def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv):
     """The warp-specialised forward (variants without a mask; the default for plain attention at
-    head dim 128 on Hopper), forced on in the interpreter: Q, K, V through descriptors built in
-    the kernel, GQA, ragged query lengths, padded and unequal head dims."""
+    head dim 128 on Hopper), forced on in the interpreter: a persistent kernel on three programs,
+    Q, K, V through descriptors built in the kernel, one per tensor for (B, H, L, D) stacks of rows
+    and whole query tiles (ROWS), one per (b, h) otherwise ((B, L, H, D) views, ragged queries);
+    GQA, padded and unequal head dims."""
     from attncc import autograd
     monkeypatch.setenv("ATTNCC_WS", "on")
-    torch.manual_seed(zlib.crc32(repr(("ws", name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
+    torch.manual_seed(zlib.crc32(repr(("ws", name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
     score_mod = (lambda s, b, h, q_idx, kv_idx: 20.0 * torch.tanh(s / 20.0)) if name == "scaled_tanh" else None
     q, k, v = randn_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype=DTYPES[dt])
+    if layout == "blhd":  # the same values as (B, L, H, D) tensors viewed through .transpose(1, 2)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     compiled = attncc.compile(attncc.Variant(score_mod))
     module = compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec)
     assert module.WARP_SPECIALIZED and not module.TMA
+    launches, jit = [], module.attn_fwd_ws
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: (launches.append((grid, kwargs["ROWS"])), jit[grid](*args, **kwargs))
+    monkeypatch.setattr(module, "attn_fwd_ws", Spy())
     check(q, k, v, score_mod, None, kernel=compiled, enable_gqa=Hq != Hkv)
+    if Lkv % 32 or Lq % 4:
+        assert launches == []
+    else:
+        stacked = layout == "bhld" or (Hq == 1 and Hkv == 1)
+        assert launches == [((min(3, -(-Lq // 32) * B * Hq),), stacked and Lq % 32 == 0)]
 
 
 def test_warp_specialized_only_without_a_mask():

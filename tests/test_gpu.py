@@ -112,16 +112,20 @@ WS_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024, 128), "gqa8:2-Lq1000-Lkv2048": (2
              "Lkv128": (2, 4, 4, 640, 128, 128), "Lq_odd": (2, 4, 4, 999, 512, 128)}
 
 
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", list(WS_SHAPES))
-def test_warp_specialized_forward_on_gpu(shape, dt):
-    """Plain attention at head dim 128 (the warp-specialised loop on Hopper where Lkv % 128 == 0
-    and Lq % 4 == 0) against the float64 reference, through (B, L, H, D) query views; on sm90 the
-    kernel must be warp-specialised."""
+def test_warp_specialized_forward_on_gpu(shape, dt, layout):
+    """Plain attention at head dim 128 (the persistent warp-specialised kernel on Hopper where
+    Lkv % 128 == 0 and Lq % 4 == 0) against the float64 reference, with contiguous (B, H, L, D)
+    tensors (one descriptor per tensor where the queries fill whole tiles) and with (B, L, H, D)
+    query views (one per head); on sm90 the kernel must be warp-specialised."""
     B, Hq, Hkv, Lq, Lkv, Dv = WS_SHAPES[shape]
     dtype = DTYPES[dt]
-    torch.manual_seed(zlib.crc32(f"ws-{shape}-{dt}".encode()))
+    torch.manual_seed(zlib.crc32(f"ws-{shape}-{dt}-{layout}".encode()))
     q = torch.randn(B, Lq, Hq, 128, device="cuda", dtype=dtype).transpose(1, 2)
+    if layout == "bhld":
+        q = q.contiguous()
     k = torch.randn(B, Hkv, Lkv, 128, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, Lkv, Dv, device="cuda", dtype=dtype)
     kernel = attncc.compile(attncc.Variant())
@@ -132,7 +136,7 @@ def test_warp_specialized_forward_on_gpu(shape, dt):
         modules = [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
                    if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED]
         assert modules, "no warp-specialised forward module was generated on sm90"
-        ptx = [k.asm["ptx"] for m in modules for entry in m.attn_fwd.fn.device_caches.values()
+        ptx = [k.asm["ptx"] for m in modules for entry in m.attn_fwd_ws.fn.device_caches.values()
                for k in entry[0].values()]
         assert any("setmaxnreg" in p for p in ptx), "Triton did not warp-specialise the forward loop"
 
@@ -259,7 +263,9 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
             codegen = attncc.cache.stats["codegen"]
         modules = _fwd_modules(kernel, {"fp16": "float16", "bf16": "bfloat16"}[dt], D)
         assert len(modules) == 1, "one specialisation must mean one generated module"
-        counts.append(_compiled_count(modules[0].attn_fwd.fn))  # .fn: the Launcher's JITFunction
+        # .fn: the Launcher's JITFunction; plain attention at whole lengths runs attn_fwd_ws
+        fns = [modules[0].attn_fwd.fn] + ([modules[0].attn_fwd_ws.fn] if modules[0].WARP_SPECIALIZED else [])
+        counts.append(sum(_compiled_count(fn) or 0 for fn in fns) or None)
     assert attncc.cache.stats["codegen"] == codegen, "a new sequence length generated new source"
     # triton 3.6 and 3.9 keep JITFunction.device_caches: device -> (kernel cache, ...)
     assert counts[0] is not None, "this triton's JITFunction exposes no kernel cache to count"
