@@ -11,7 +11,7 @@ from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import H, KV, Q, SCORE
 from .spec import Spec  # noqa: F401  (re-exported: plan.Spec)
-from .tiles import pow2, choose_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_pays
+from .tiles import pow2, choose_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
 from .variant import Analysis
 
 # the outer tile's first and last index, as the kernels name them
@@ -138,8 +138,10 @@ class KernelPlan:
     # fwd, no mask: when the keys fill whole tiles, a persistent kernel (attn_fwd_ws, one program
     # per SM) whose key loop Triton warp-specialises on Hopper (a producer warp streams K/V through
     # descriptors built on the device, two consumer warp groups of 64 rows compute), with its own
-    # tiles, warps and stages (tiles["attn_fwd_ws"])
+    # tiles, warps and stages (tiles["attn_fwd_ws"]); under a mask its one loop runs the mask code
+    # on every tile, up to ws_kv keys (0: any)
     ws: bool = False
+    ws_kv: int = 0
     # bwd, GQA: the dK/dV kernel runs the (query tile, query head) pairs of its group in one loop
     # per class of tile, not the tile loops inside a loop over heads, which spilled ~300 registers
     # at head dim 128 (H200, triton 3.6). Needs tile bounds that do not depend on h; data-dependent
@@ -270,11 +272,12 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
         for i, (nd, kind) in enumerate(analysis.captures))
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
-    ws = kernel == "fwd" and ws_fits(f, block_sparse, spec) and (
-        spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, spec)))
-    tma = kernel == "fwd" and not ws and (
-        spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))
-    short = short_kv(f, analysis.score, block_sparse, mask_class, spec) if kernel == "fwd" and not ws else 0
+    ws = kernel == "fwd" and ws_fits(block_sparse, spec) and (
+        spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, mask_class, spec)))
+    ws_limit = ws_kv(mask_class, spec) if ws else 0
+    general = kernel == "fwd" and (not ws or ws_limit > 0)  # attn_fwd runs some of the lengths
+    tma = general and (spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))
+    short = short_kv(f, analysis.score, block_sparse, mask_class, spec) if general else 0
     if ws:
         fns = {**fns, "attn_fwd_ws": set()}
     if short:
@@ -286,13 +289,13 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         dot_precision="ieee" if spec.dtype == "float32" else "tf32",
         score_text=str(analysis.score), mask_text=str(analysis.mask),
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
-        fold_scale=f.score_identity and spec.positive_scale and (kernel == "kv" or (kernel == "fwd" and (tma or ws or d <= 64))),
+        fold_scale=f.score_identity and spec.positive_scale and (kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
         tiles={fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)}, mods=mods,
         bounds=tile_bounds, grads=grads,
         log2_bias=log2_bias, atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
         split_d=split_dim(spec.head_dim),
-        tma=tma, ws=ws,
+        tma=tma, ws=ws, ws_kv=ws_limit,
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short)
 

@@ -107,32 +107,42 @@ def tma_pays(facts, block_sparse: bool, mask_class: str, head_dim: int) -> bool:
     return block_sparse or mask_class == "banded" or (not facts.score_identity and head_dim > 64)
 
 
-def ws_fits(facts, block_sparse: bool, spec: Spec) -> bool:
-    """The warp-specialised loop has no mask code: variants without a mask or dropout."""
-    return facts.mask_trivial and not block_sparse and not spec.dropout
+def ws_fits(block_sparse: bool, spec: Spec) -> bool:
+    """The warp-specialised kernel runs one key loop per Q tile: no dropout, no tile lists."""
+    return not block_sparse and not spec.dropout
 
 
-def ws_pays(facts, spec: Spec) -> bool:
+def ws_pays(facts, mask_class: str, spec: Spec) -> bool:
     """Whether the forward runs the persistent warp-specialised kernel (attn_fwd_ws) under
     ATTNCC_WS=auto: where it measured faster. H200, bf16, full attention, forward ms, one program
     per (Q tile, head) with the pointer loop -> persistent warp-specialised: 0.335 -> 0.257
     (16x16x1024x128), 1.134 -> 0.995 (4x16x4096x128); at 1x16x16384x128 standalone kernels in
     one process, one program per (Q tile, head) 3.97-4.11 -> persistent 3.89; cuDNN 0.23 / 0.92
     / 3.60. At head dim 64 a standalone persistent kernel
-    gave 1.276 ms at 4x32x4096x64 against the pointer loop's 1.26-1.30. Under a causal mask the
-    one loop that compiles warp-specialised (mask code on every tile) was slower than the pointer
-    loops (16k: 2.42 against 2.19 ms). Triton 3.6 warp-specialises only loops whose loads all go
-    through descriptors built on the device, with 4 warps per group (8 warps compile
-    unspecialised)."""
+    gave 1.276 ms at 4x32x4096x64 against the pointer loop's 1.26-1.30. Causal-like masks (not
+    banded) run it up to WS_MASKED_KV keys (ws_kv). Triton 3.6 warp-specialises only loops whose
+    loads all go through descriptors built on the device, with 4 warps per group (8 warps compile
+    unspecialised), one loop per kernel: nothing else, not even one straight-line tile after it."""
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
     return (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16") and d == 128
-            and facts.score_identity)
+            and facts.score_identity and mask_class in ("none", "masked"))
+
+
+def ws_kv(mask_class: str, spec: Spec) -> int:
+    """Keys up to which a forward with a mask launches the warp-specialised kernel (0: any). Its
+    one loop runs the mask code on every tile, which the few key tiles of short sequences afford:
+    H200, bf16, causal forward ms, pointer loops with short tiles -> persistent warp-specialised
+    (standalone, Q tiles heaviest first in groups of 8 heads): 0.208 -> 0.188 at 16x16x1024x128,
+    but 0.331 -> 0.433 at 8x16x2048x128 (0.343 in another tile order), 0.635 -> 0.612-0.743 at
+    4x16x4096x128 and 2.19 -> 2.41-2.98 at 1x16x16384x128."""
+    return 0 if mask_class == "none" or spec.ws == "on" else WS_MASKED_KV
 
 
 # the warp-specialised forward with 128x64 tiles and 3 stages gave wrong results on an H200
 # (triton 3.6; found by the autotuner's check against the table's tiles, and NaN in a standalone
 # persistent kernel): cap requests for more
 WS_MAX_STAGES = 2
+WS_MASKED_KV = 1024  # keys up to which causal-like masks launch the warp-specialised kernel (ws_kv)
 SHORT_KV = (2048, 4096)  # keys up to which causal-like masks take short forward tiles: (identity
                          # score_mod under GQA or dropout, any other), see short_kv
 

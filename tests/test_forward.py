@@ -107,36 +107,41 @@ def test_tma_forward_matches_reference(monkeypatch, name, dt, B, Hq, Hkv, Lq, Lk
 # warp-specialised kernel, the others the general loops of the same module
 WS_CASES = [(2, 4, 4, 64, 96, 64, 64), (1, 6, 2, 20, 64, 80, 80), (2, 4, 1, 52, 32, 40, 24),
             (1, 3, 3, 4, 128, 16, 16), (1, 4, 4, 33, 45, 64, 64), (2, 2, 2, 64, 17, 32, 32), (1, 2, 2, 17, 64, 16, 16),
-            (3, 2, 1, 96, 64, 32, 32)]
+            (3, 2, 1, 96, 64, 32, 32), (1, 9, 9, 96, 64, 16, 16)]
 
 
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("dt", ["fp32", "fp16"])
-@pytest.mark.parametrize("name", ["full", "scaled_tanh"])
+@pytest.mark.parametrize("name", ["full", "scaled_tanh", "causal", "sliding_window", "prefix_lm"])
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lkv,D,Dv", WS_CASES)
 def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv):
-    """The warp-specialised forward (variants without a mask; the default for plain attention at
-    head dim 128 on Hopper), forced on in the interpreter: a persistent kernel on three programs,
-    Q, K, V through descriptors built in the kernel, one per tensor for (B, H, L, D) stacks of rows
-    and whole query tiles (ROWS), one per (b, h) otherwise ((B, L, H, D) views, ragged queries);
-    GQA, padded and unequal head dims."""
+    """The warp-specialised forward (the default for plain attention at head dim 128 on Hopper,
+    and for causal-like masks over few keys), forced on in the interpreter: a persistent kernel
+    on three programs, Q, K, V through descriptors built in the kernel, one per tensor for
+    (B, H, L, D) stacks of rows and whole query tiles (ROWS), one per (b, h) otherwise ((B, L, H,
+    D) views, ragged queries); masks on every tile of the derived range, Q tiles longest first in
+    groups of 8 heads (9 heads: a group of 1); GQA, padded and unequal head dims."""
     from attncc import autograd
     monkeypatch.setenv("ATTNCC_WS", "on")
     torch.manual_seed(zlib.crc32(repr(("ws", name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
-    score_mod = (lambda s, b, h, q_idx, kv_idx: 20.0 * torch.tanh(s / 20.0)) if name == "scaled_tanh" else None
+    if name in ("full", "scaled_tanh"):
+        score_mod = (lambda s, b, h, q_idx, kv_idx: 20.0 * torch.tanh(s / 20.0)) if name == "scaled_tanh" else None
+        mask_mod = None
+    else:
+        score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cpu")
     q, k, v = randn_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype=DTYPES[dt])
     if layout == "blhd":  # the same values as (B, L, H, D) tensors viewed through .transpose(1, 2)
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    compiled = attncc.compile(attncc.Variant(score_mod))
+    compiled = attncc.compile(attncc.Variant(score_mod, mask_mod))
     module = compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec)
-    assert module.WARP_SPECIALIZED and not module.TMA
+    assert module.WARP_SPECIALIZED and not module.TMA and module.WS_KV == 0
     launches, jit = [], module.attn_fwd_ws
 
     class Spy:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: (launches.append((grid, kwargs["ROWS"])), jit[grid](*args, **kwargs))
     monkeypatch.setattr(module, "attn_fwd_ws", Spy())
-    check(q, k, v, score_mod, None, kernel=compiled, enable_gqa=Hq != Hkv)
+    check(q, k, v, score_mod, mask_mod, kernel=compiled, enable_gqa=Hq != Hkv)
     if Lkv % 32 or Lq % 4:
         assert launches == []
     else:
@@ -145,22 +150,28 @@ def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layou
 
 
 def test_warp_specialized_only_without_a_mask():
-    """A mask or dropout keeps the general loops: the warp-specialised one has no mask code.
-    Under ATTNCC_WS=auto it runs only where it measured faster (Hopper, 16-bit, head dim 128, no
-    score_mod)."""
+    """Dropout and data-dependent masks keep the general loops: the warp-specialised kernel runs
+    one loop per Q tile. Under ATTNCC_WS=auto it runs only where it measured faster (Hopper,
+    16-bit, head dim 128, no score_mod; no mask, or a causal-like mask up to WS_MASKED_KV keys)."""
     from attncc import plan
     from attncc.spec import Spec
-    for name, d, dtype, target, want in [
-            ("full", 128, "bfloat16", "cuda-sm90", True), ("full", 64, "bfloat16", "cuda-sm90", False),
-            ("full", 128, "float32", "cuda-sm90", False), ("full", 128, "bfloat16", "cuda-sm100", False),
-            ("softcap", 128, "bfloat16", "cuda-sm90", False), ("causal", 128, "bfloat16", "cuda-sm90", False),
-            ("document", 128, "bfloat16", "cuda-sm90", False)]:
+    from attncc.tiles import WS_MASKED_KV
+    for name, d, dtype, target, want, limit in [
+            ("full", 128, "bfloat16", "cuda-sm90", True, 0), ("full", 64, "bfloat16", "cuda-sm90", False, 0),
+            ("full", 128, "float32", "cuda-sm90", False, 0), ("full", 128, "bfloat16", "cuda-sm100", False, 0),
+            ("softcap", 128, "bfloat16", "cuda-sm90", False, 0), ("causal", 128, "bfloat16", "cuda-sm90", True, WS_MASKED_KV),
+            ("prefix_lm", 128, "float16", "cuda-sm90", True, WS_MASKED_KV),
+            ("sliding_window", 128, "bfloat16", "cuda-sm90", False, 0), ("document", 128, "bfloat16", "cuda-sm90", False, 0)]:
         v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
-        got = plan.build("fwd", v.analysis, Spec(dtype, d, d, 1, target, tma="auto", ws="auto"), v.captures).ws
-        assert got == want, (name, d, dtype, target)
-    full, causal = (attncc.Variant(*BUILDERS[n](1, 4, 64, 64, "cpu")) for n in ("full", "causal"))
+        got = plan.build("fwd", v.analysis, Spec(dtype, d, d, 1, target, tma="auto", ws="auto"), v.captures)
+        assert (got.ws, got.ws_kv) == (want, limit), (name, d, dtype, target)
+        # the general loops still run the lengths the warp-specialised kernel does not take
+        assert bool(got.short_kv) == (name in ("causal", "prefix_lm")), name
+    full, causal, document = (attncc.Variant(*BUILDERS[n](1, 4, 64, 64, "cpu")) for n in ("full", "causal", "document"))
     assert plan.build("fwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
-    assert not plan.build("fwd", causal.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
+    assert plan.build("fwd", causal.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
+    assert not plan.build("fwd", document.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on"),
+                          document.captures).ws
     assert not plan.build("fwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", dropout=True, ws="on")).ws
     assert not plan.build("bwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
 

@@ -141,6 +141,41 @@ def test_warp_specialized_forward_on_gpu(shape, dt, layout):
         assert any("setmaxnreg" in p for p in ptx), "Triton did not warp-specialise the forward loop"
 
 
+# (B, Hq, Hkv, Lq, Lkv) at head dim 128 under a mask: up to WS_MASKED_KV keys in whole tiles of
+# 128 take the warp-specialised kernel on Hopper
+WS_MASKED_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024), "gqa8:2-Lq1000": (3, 8, 2, 1000, 1024),
+                    "9heads-Lq512": (1, 9, 9, 512, 512), "Lq256-Lkv1024": (2, 4, 4, 256, 1024)}
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["causal", "prefix_lm", "sliding_window"])
+@pytest.mark.parametrize("shape", list(WS_MASKED_SHAPES))
+def test_warp_specialized_masked_forward_on_gpu(shape, name, dt, monkeypatch):
+    """Causal-like masks over few keys in the persistent warp-specialised kernel (mask code on
+    every tile, Q tiles longest first in groups of 8 heads) against the float64 reference; the
+    sliding window runs it under ATTNCC_WS=on only. On sm90 the kernel must be warp-specialised."""
+    if name == "sliding_window":
+        monkeypatch.setenv("ATTNCC_WS", "on")
+    B, Hq, Hkv, Lq, Lkv = WS_MASKED_SHAPES[shape]
+    dtype = DTYPES[dt]
+    torch.manual_seed(zlib.crc32(f"ws-masked-{shape}-{name}-{dt}".encode()))
+    score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cuda")
+    q = torch.randn(B, Hq, Lq, 128, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, Lkv, 128, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, Lkv, 128, device="cuda", dtype=dtype)
+    kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
+    out, lse = kernel(q, k, v, enable_gqa=Hq != Hkv, return_lse=True)
+    ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    assert_close_to_reference(out, lse, ref, ref_lse, dtype)
+    if torch.cuda.get_device_capability()[0] == 9:
+        modules = [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
+                   if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED]
+        assert modules, "no warp-specialised forward module was generated on sm90"
+        ptx = [k.asm["ptx"] for m in modules for entry in m.attn_fwd_ws.fn.device_caches.values()
+               for k in entry[0].values()]
+        assert any("setmaxnreg" in p for p in ptx), "Triton did not warp-specialise the masked forward loop"
+
+
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["causal", "document", "alibi"])
 def test_direct_relaunch_matches_tritons_launch_on_gpu(name, dt):
@@ -270,10 +305,12 @@ def test_new_sequence_lengths_do_not_recompile(name, dt):
     # triton 3.6 and 3.9 keep JITFunction.device_caches: device -> (kernel cache, ...)
     assert counts[0] is not None, "this triton's JITFunction exposes no kernel cache to count"
     assert counts[0] >= 1
-    # one kernel per launch class, no others: causal-like masks launch short tiles up to SHORT_KV
-    # keys, and lengths that are whole tiles compile without bounds checks
-    short = modules[0].SHORT_KV
-    classes = [(bool(short) and L <= short, L % 128 == 0) for L in lengths]
+    # one kernel per launch class, no others: whole key tiles take the warp-specialised kernel
+    # (under a mask up to WS_KV keys), causal-like masks launch short tiles up to SHORT_KV keys,
+    # and lengths that are whole tiles compile without bounds checks
+    m = modules[0]
+    ws = [m.WARP_SPECIALIZED and L % 128 == 0 and (not m.WS_KV or L <= m.WS_KV) for L in lengths]
+    classes = [(w, not w and bool(m.SHORT_KV) and L <= m.SHORT_KV, L % 128 == 0) for w, L in zip(ws, lengths)]
     for i in range(1, len(lengths)):  # a new class may find its kernel compiled by an earlier test
         new = counts[i] - counts[i - 1]
         allowed = 0 if classes[i] in classes[:i] else 1
