@@ -141,10 +141,12 @@ def test_warp_specialized_forward_on_gpu(shape, dt, layout):
         assert any("setmaxnreg" in p for p in ptx), "Triton did not warp-specialise the forward loop"
 
 
-# (B, Hq, Hkv, Lq, Lkv) at head dim 128 under a mask: up to WS_MASKED_KV keys in whole tiles of
-# 128 take the warp-specialised kernel on Hopper
-WS_MASKED_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024), "gqa8:2-Lq1000": (3, 8, 2, 1000, 1024),
-                    "9heads-Lq512": (1, 9, 9, 512, 512), "Lq256-Lkv1024": (2, 4, 4, 256, 1024)}
+# (B, Hq, Hkv, Lq, Lkv, layout) at head dim 128 under a mask: up to WS_MASKED_KV keys in whole
+# tiles of 128 take the warp-specialised kernel on Hopper when Q, K, V and the output are stacks
+# of rows in whole query tiles; the others (ragged queries, (B, L, H, D) views) the general loops
+WS_MASKED_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024, "bhld"), "gqa8:2": (3, 8, 2, 1024, 1024, "bhld"),
+                    "9heads-Lq512": (1, 9, 9, 512, 512, "bhld"), "Lq256-Lkv1024": (2, 4, 4, 256, 1024, "bhld"),
+                    "gqa8:2-Lq1000": (3, 8, 2, 1000, 1024, "bhld"), "blhd": (3, 8, 8, 1024, 1024, "blhd")}
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
@@ -153,21 +155,24 @@ WS_MASKED_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024), "gqa8:2-Lq1000": (3, 8, 2
 def test_warp_specialized_masked_forward_on_gpu(shape, name, dt, monkeypatch):
     """Causal-like masks over few keys in the persistent warp-specialised kernel (mask code on
     every tile, Q tiles longest first in groups of 8 heads) against the float64 reference; the
-    sliding window runs it under ATTNCC_WS=on only. On sm90 the kernel must be warp-specialised."""
+    sliding window runs it under ATTNCC_WS=on only. On sm90 the kernel must be warp-specialised
+    where the launch takes it; ragged queries and (B, L, H, D) views run the general loops."""
     if name == "sliding_window":
         monkeypatch.setenv("ATTNCC_WS", "on")
-    B, Hq, Hkv, Lq, Lkv = WS_MASKED_SHAPES[shape]
+    B, Hq, Hkv, Lq, Lkv, layout = WS_MASKED_SHAPES[shape]
     dtype = DTYPES[dt]
     torch.manual_seed(zlib.crc32(f"ws-masked-{shape}-{name}-{dt}".encode()))
     score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cuda")
-    q = torch.randn(B, Hq, Lq, 128, device="cuda", dtype=dtype)
+    q = torch.randn(B, Lq, Hq, 128, device="cuda", dtype=dtype).transpose(1, 2)
+    if layout == "bhld":
+        q = q.contiguous()
     k = torch.randn(B, Hkv, Lkv, 128, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, Lkv, 128, device="cuda", dtype=dtype)
     kernel = attncc.compile(attncc.Variant(score_mod, mask_mod))
     out, lse = kernel(q, k, v, enable_gqa=Hq != Hkv, return_lse=True)
     ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
     assert_close_to_reference(out, lse, ref, ref_lse, dtype)
-    if torch.cuda.get_device_capability()[0] == 9:
+    if torch.cuda.get_device_capability()[0] == 9 and Lq % 128 == 0 and layout == "bhld":
         modules = [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
                    if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED]
         assert modules, "no warp-specialised forward module was generated on sm90"
@@ -263,11 +268,12 @@ def _compiled_count(jit_fn):
 
 
 def _fwd_modules(kernel, dtype: str, head_dim: int):
-    """The loaded forward modules of the kernel's variant for one dtype and head dim (MHA)."""
+    """The loaded forward modules of the kernel's variant for one dtype and head dim (MHA), under
+    the default ATTNCC_WS (a test that forces it on loads a module of its own)."""
     return [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
             if key == kernel.variant.ir_key and kind == "fwd" and m is not None
             and spec.dtype == dtype and spec.head_dim == spec.head_dim_v == head_dim and spec.group == 1
-            and not getattr(spec, "dropout", False)]
+            and not getattr(spec, "dropout", False) and getattr(spec, "ws", "auto") != "on"]
 
 
 # rel_bias bakes Lkv into its IR (bias[h, q_idx - kv_idx + Lkv]): each length is a new variant by design
