@@ -94,11 +94,12 @@ def tma() -> str:
 
 
 def ws() -> str:
-    """$ATTNCC_WS = auto | on | off: whether the forward of plain attention without a mask runs
-    its key loop warp-specialised (Hopper: a producer warp streams K/V tiles through tensor
+    """$ATTNCC_WS = auto | on | off: whether the forward runs the persistent kernel whose key
+    loop is warp-specialised (Hopper: a producer warp streams K/V tiles through tensor
     descriptors while two consumer warp groups compute). ``auto`` (default): on sm90 GPUs where
-    it measured faster (tiles.ws_pays); ``on`` wherever the variant allows it, also in the Triton
-    interpreter (tests); ``off``: never."""
+    it measured faster (tiles.ws_pays, tiles.ws_kv); ``on`` wherever the variant allows it (no
+    dropout, no data-dependent mask), at any length, also in the Triton interpreter (tests);
+    ``off``: never."""
     return _descriptor_mode("ATTNCC_WS")
 
 

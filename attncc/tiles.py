@@ -134,7 +134,9 @@ def ws_kv(mask_class: str, spec: Spec) -> int:
     H200, bf16, causal forward ms, pointer loops with short tiles -> persistent warp-specialised
     (standalone, Q tiles heaviest first in groups of 8 heads): 0.208 -> 0.188 at 16x16x1024x128,
     but 0.331 -> 0.433 at 8x16x2048x128 (0.343 in another tile order), 0.635 -> 0.612-0.743 at
-    4x16x4096x128 and 2.19 -> 2.41-2.98 at 1x16x16384x128."""
+    4x16x4096x128 and 2.19 -> 2.41-2.98 at 1x16x16384x128. In the benchmark (bf16, 16x16x1024x
+    128): causal 0.208 -> 0.189, prefix-LM 0.329 -> 0.291, GQA 0.201 -> 0.177. Under a mask the
+    launch takes it only for stacked rows (see attn_fwd_ws's launch)."""
     return 0 if mask_class == "none" or spec.ws == "on" else WS_MASKED_KV
 
 
