@@ -133,12 +133,17 @@ def test_warp_specialized_forward_on_gpu(shape, dt, layout):
     ref, ref_lse = reference_on_gpu(q, k, v, None, None, enable_gqa=Hq != Hkv)
     assert_close_to_reference(out, lse, ref, ref_lse, dtype)
     if torch.cuda.get_device_capability()[0] == 9 and Lkv % 128 == 0 and Lq % 4 == 0:
-        modules = [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
-                   if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED]
-        assert modules, "no warp-specialised forward module was generated on sm90"
-        ptx = [k.asm["ptx"] for m in modules for entry in m.attn_fwd_ws.fn.device_caches.values()
-               for k in entry[0].values()]
-        assert any("setmaxnreg" in p for p in ptx), "Triton did not warp-specialise the forward loop"
+        _assert_warp_specialised(kernel)
+
+
+def _assert_warp_specialised(kernel):
+    """The variant has a forward module whose attn_fwd_ws Triton compiled warp-specialised."""
+    modules = [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
+               if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED]
+    assert modules, "no warp-specialised forward module was generated on sm90"
+    ptx = [k.asm["ptx"] for m in modules for entry in m.attn_fwd_ws.fn.device_caches.values()
+           for k in entry[0].values()]
+    assert any("setmaxnreg" in p for p in ptx), "Triton did not warp-specialise the forward loop"
 
 
 # (B, Hq, Hkv, Lq, Lkv, layout) at head dim 128 under a mask: up to WS_MASKED_KV keys in whole
@@ -173,12 +178,7 @@ def test_warp_specialized_masked_forward_on_gpu(shape, name, dt, monkeypatch):
     ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
     assert_close_to_reference(out, lse, ref, ref_lse, dtype)
     if torch.cuda.get_device_capability()[0] == 9 and Lq % 128 == 0 and layout == "bhld":
-        modules = [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
-                   if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED]
-        assert modules, "no warp-specialised forward module was generated on sm90"
-        ptx = [k.asm["ptx"] for m in modules for entry in m.attn_fwd_ws.fn.device_caches.values()
-               for k in entry[0].values()]
-        assert any("setmaxnreg" in p for p in ptx), "Triton did not warp-specialise the masked forward loop"
+        _assert_warp_specialised(kernel)
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
