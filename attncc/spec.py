@@ -21,7 +21,7 @@ class Spec:
     positive_scale: bool = True  # fwd, kv: scale > 0 (with an identity score_mod, plan.fold_scale)
     tma: str = "off"         # fwd: K/V tiles through tensor descriptors (TMA): "off", "auto" (where it
                              # measured faster, tiles.tma_pays), "on" (always)
-    ws: str = "off"          # fwd: warp-specialised key loop for variants without a mask: "off",
-                             # "auto" (where it measured faster, tiles.ws_pays), "on" (where it fits)
+    ws: str = "off"          # fwd: the persistent warp-specialised kernel (attn_fwd_ws): "off", "auto"
+                             # (where it measured faster, tiles.ws_pays / ws_kv), "on" (where it fits)
     tiles: tuple = ()        # ((kernel function, (block_m, block_n, num_warps, num_stages)), ...):
                              # tiles the autotuner measured fastest (attncc.tune), replacing the table

@@ -1,7 +1,8 @@
 """The measured speed choices of the generated kernels: tile shape, warps and pipeline depth per
 kernel function (choose_tiles, from a table measured on an H200 with benchmarks/tile_sweep.py and
-tune_sweep.py), and where the forward reads through tensor descriptors (tma_pays), runs
-warp-specialised (ws_fits, ws_pays) or launches short tiles for few keys (short_kv). Each rule
+tune_sweep.py), and where the forward reads through tensor descriptors (tma_pays), runs the
+persistent warp-specialised kernel (ws_fits, ws_pays, and under a mask up to ws_kv keys) or
+launches short tiles for few keys (short_kv). Each rule
 quotes the measurement it came from; attncc.plan puts the choices into a KernelPlan."""
 from __future__ import annotations
 
