@@ -273,7 +273,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         for i, (nd, kind) in enumerate(analysis.captures))
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
     ws = kernel == "fwd" and ws_fits(block_sparse, spec) and (
-        spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, mask_class, spec)))
+        spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, analysis.score, mask_class, spec)))
     ws_limit = ws_kv(mask_class, spec) if ws else 0
     general = kernel == "fwd" and (not ws or ws_limit > 0)  # attn_fwd runs some of the lengths
     tma = general and (spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))

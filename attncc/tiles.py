@@ -113,31 +113,40 @@ def ws_fits(block_sparse: bool, spec: Spec) -> bool:
     return not block_sparse and not spec.dropout
 
 
-def ws_pays(facts, mask_class: str, spec: Spec) -> bool:
+def ws_pays(facts, score, mask_class: str, spec: Spec) -> bool:
     """Whether the forward runs the persistent warp-specialised kernel (attn_fwd_ws) under
     ATTNCC_WS=auto: where it measured faster. H200, bf16, full attention, forward ms, one program
     per (Q tile, head) with the pointer loop -> persistent warp-specialised: 0.335 -> 0.257
     (16x16x1024x128), 1.134 -> 0.995 (4x16x4096x128); at 1x16x16384x128 standalone kernels in
     one process, one program per (Q tile, head) 3.97-4.11 -> persistent 3.89; cuDNN 0.23 / 0.92
-    / 3.60. At head dim 64 a standalone persistent kernel
-    gave 1.276 ms at 4x32x4096x64 against the pointer loop's 1.26-1.30. Causal-like masks (not
-    banded) run it up to WS_MASKED_KV keys (ws_kv). Triton 3.6 warp-specialises only loops whose
-    loads all go through descriptors built on the device, with 4 warps per group (8 warps compile
-    unspecialised), one loop per kernel: nothing else, not even one straight-line tile after it."""
+    / 3.60. At head dim 64 a standalone persistent kernel gave 1.276 ms at 4x32x4096x64 against
+    the pointer loop's 1.26-1.30. Causal-like masks (not banded) run it up to WS_MASKED_KV keys
+    (ws_kv), with score mods too where the mod reads no captured tensor per entry (a gather in
+    the key loop is a pointer load, see below). Triton 3.6 warp-specialises only loops whose
+    loads all go through descriptors built on the device, with 4 warps per group (8 warps
+    compile unspecialised), one loop per kernel: nothing else, not even one straight-line tile
+    after it."""
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
+    mods_fit = facts.score_identity or (mask_class == "masked" and not gathers_per_entry(score))
     return (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16") and d == 128
-            and facts.score_identity and mask_class in ("none", "masked"))
+            and mask_class in ("none", "masked") and mods_fit)
 
 
 def ws_kv(mask_class: str, spec: Spec) -> int:
     """Keys up to which a forward with a mask launches the warp-specialised kernel (0: any). Its
-    one loop runs the mask code on every tile, which the few key tiles of short sequences afford:
-    H200, bf16, causal forward ms, pointer loops with short tiles -> persistent warp-specialised
-    (standalone, Q tiles heaviest first in groups of 8 heads): 0.208 -> 0.188 at 16x16x1024x128,
-    but 0.331 -> 0.433 at 8x16x2048x128 (0.343 in another tile order), 0.635 -> 0.612-0.743 at
-    4x16x4096x128 and 2.19 -> 2.41-2.98 at 1x16x16384x128. In the benchmark (bf16, 16x16x1024x
-    128): causal 0.208 -> 0.189, prefix-LM 0.329 -> 0.291, GQA 0.201 -> 0.177. Under a mask the
-    launch takes it only for stacked rows (see attn_fwd_ws's launch)."""
+    one loop runs the mask code on every tile, which long sequences do not afford. H200, bf16,
+    forward ms, pointer loops (64x64 tiles to 4096 keys, see short_kv) -> warp-specialised with
+    the Q tiles paired long with short, at 16x16x1024x128 / 8x16x2048x128 / 4x16x4096x128 /
+    1x16x16384x128 (tmp A/B runs, two processes each):
+      causal        0.190 -> 0.180, 0.358 -> 0.310, 0.660 -> 0.585, 2.235 -> 2.171
+      GQA 4:1       0.177 -> 0.174, 0.353 -> 0.311, 0.629 -> 0.569, 2.198 -> 2.156
+      prefix-LM     0.306 -> 0.307, 0.436 -> 0.427, 0.695 -> 0.646, 2.277 -> 2.338
+      ALiBi-causal  0.215 -> 0.198, 0.376 -> 0.342, 0.705 -> 0.652, 2.344 -> 2.399
+      softcap       0.221 -> 0.214, 0.394 -> 0.364, 0.736 -> 0.694, 2.559 -> 2.572
+    (cuDNN causal: 0.165, 0.288, 0.530, 1.956). Before the pairing, Q tiles dealt round-robin
+    longest first left some programs up to 27% more work, and the kernel lost from 2048 keys
+    (causal 0.427 at 2048, 0.71 at 4096). Under a mask the launch takes it only for stacked rows
+    (see attn_fwd_ws's launch)."""
     return 0 if mask_class == "none" or spec.ws == "on" else WS_MASKED_KV
 
 
@@ -145,7 +154,7 @@ def ws_kv(mask_class: str, spec: Spec) -> int:
 # (triton 3.6; found by the autotuner's check against the table's tiles, and NaN in a standalone
 # persistent kernel): cap requests for more
 WS_MAX_STAGES = 2
-WS_MASKED_KV = 1024  # keys up to which causal-like masks launch the warp-specialised kernel (ws_kv)
+WS_MASKED_KV = 4096  # keys up to which causal-like masks launch the warp-specialised kernel (ws_kv)
 SHORT_KV = (2048, 4096)  # keys up to which causal-like masks take short forward tiles: (identity
                          # score_mod under GQA or dropout, any other), see short_kv
 

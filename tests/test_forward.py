@@ -112,15 +112,16 @@ WS_CASES = [(2, 4, 4, 64, 96, 64, 64), (1, 6, 2, 20, 64, 80, 80), (2, 4, 1, 52, 
 
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("dt", ["fp32", "fp16"])
-@pytest.mark.parametrize("name", ["full", "scaled_tanh", "causal", "sliding_window", "prefix_lm"])
+@pytest.mark.parametrize("name", ["full", "scaled_tanh", "causal", "sliding_window", "prefix_lm", "alibi"])
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lkv,D,Dv", WS_CASES)
 def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv):
     """The warp-specialised forward (the default for plain attention at head dim 128 on Hopper,
-    and for causal-like masks over few keys), forced on in the interpreter: a persistent kernel
-    on three programs, Q, K, V through descriptors built in the kernel, one per tensor for
+    and for causal-like masks over up to 4096 keys), forced on in the interpreter: a persistent
+    kernel on three programs, Q, K, V through descriptors built in the kernel, one per tensor for
     (B, H, L, D) stacks of rows and whole query tiles (ROWS), one per (b, h) otherwise ((B, L, H,
-    D) views, ragged queries); masks on every tile of the derived range, Q tiles longest first in
-    groups of 8 heads (9 heads: a group of 1), only with ROWS; GQA, padded and unequal head dims."""
+    D) views, ragged queries); masks on every tile of the derived range, only with ROWS; the Q
+    tiles dealt in pairs, an odd count of tiles leaving one alone (3 and 27 tiles); GQA, padded
+    and unequal head dims, a score_mod with a mask (ALiBi)."""
     from attncc import autograd
     monkeypatch.setenv("ATTNCC_WS", "on")
     torch.manual_seed(zlib.crc32(repr(("ws", name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
@@ -149,24 +150,29 @@ def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layou
         assert launches == [((min(3, -(-Lq // 32) * B * Hq),), rows)]
 
 
-def test_warp_specialized_only_without_a_mask():
+def test_warp_specialized_plan_rules():
     """Dropout and data-dependent masks keep the general loops: the warp-specialised kernel runs
     one loop per Q tile. Under ATTNCC_WS=auto it runs only where it measured faster (Hopper,
-    16-bit, head dim 128, no score_mod; no mask, or a causal-like mask up to WS_MASKED_KV keys)."""
+    16-bit, head dim 128): without a mask for the identity score_mod; under a causal-like mask up
+    to WS_MASKED_KV keys, score mods included unless they gather a captured tensor per entry."""
     from attncc import plan
     from attncc.spec import Spec
     from attncc.tiles import WS_MASKED_KV
+    rel_bias_causal = lambda *a: (BUILDERS["rel_bias"](*a)[0], BUILDERS["causal"](*a)[1])  # noqa: E731
     for name, d, dtype, target, want, limit in [
             ("full", 128, "bfloat16", "cuda-sm90", True, 0), ("full", 64, "bfloat16", "cuda-sm90", False, 0),
             ("full", 128, "float32", "cuda-sm90", False, 0), ("full", 128, "bfloat16", "cuda-sm100", False, 0),
             ("softcap", 128, "bfloat16", "cuda-sm90", False, 0), ("causal", 128, "bfloat16", "cuda-sm90", True, WS_MASKED_KV),
             ("prefix_lm", 128, "float16", "cuda-sm90", True, WS_MASKED_KV),
+            ("alibi", 128, "bfloat16", "cuda-sm90", True, WS_MASKED_KV), ("alibi", 64, "bfloat16", "cuda-sm90", False, 0),
+            ("rel_bias_causal", 128, "bfloat16", "cuda-sm90", False, 0),
             ("sliding_window", 128, "bfloat16", "cuda-sm90", False, 0), ("document", 128, "bfloat16", "cuda-sm90", False, 0)]:
-        v = attncc.Variant(*BUILDERS[name](1, 4, 64, 64, "cpu"))
+        builder = rel_bias_causal if name == "rel_bias_causal" else BUILDERS[name]
+        v = attncc.Variant(*builder(1, 4, 64, 64, "cpu"))
         got = plan.build("fwd", v.analysis, Spec(dtype, d, d, 1, target, tma="auto", ws="auto"), v.captures)
         assert (got.ws, got.ws_kv) == (want, limit), (name, d, dtype, target)
         # the general loops still run the lengths the warp-specialised kernel does not take
-        assert bool(got.short_kv) == (name in ("causal", "prefix_lm")), name
+        assert bool(got.short_kv) == (name in ("causal", "prefix_lm", "alibi") and d == 128), name
     full, causal, document = (attncc.Variant(*BUILDERS[n](1, 4, 64, 64, "cpu")) for n in ("full", "causal", "document"))
     assert plan.build("fwd", full.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws
     assert plan.build("fwd", causal.analysis, Spec("float32", 64, 64, 1, "interpreter", ws="on")).ws

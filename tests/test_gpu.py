@@ -109,7 +109,8 @@ def test_blhd_layout_on_gpu():
 # (B, Hq, Hkv, Lq, Lkv, Dv) at head dim 128: keys in whole tiles of 128 take the warp-specialised loop
 WS_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024, 128), "gqa8:2-Lq1000-Lkv2048": (2, 8, 2, 1000, 2048, 128),
              "1x16x4096": (1, 16, 16, 4096, 4096, 128), "Lq200-Lkv384-Dv64": (3, 4, 4, 200, 384, 64),
-             "Lkv128": (2, 4, 4, 640, 128, 128), "Lq_odd": (2, 4, 4, 999, 512, 128)}
+             "Lkv128": (2, 4, 4, 640, 128, 128), "Lq_odd": (2, 4, 4, 999, 512, 128),
+             "3x384-odd-tiles": (1, 3, 3, 384, 384, 128)}
 
 
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
@@ -151,17 +152,19 @@ def _assert_warp_specialised(kernel):
 # of rows in whole query tiles; the others (ragged queries, (B, L, H, D) views) the general loops
 WS_MASKED_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024, "bhld"), "gqa8:2": (3, 8, 2, 1024, 1024, "bhld"),
                     "9heads-Lq512": (1, 9, 9, 512, 512, "bhld"), "Lq256-Lkv1024": (2, 4, 4, 256, 1024, "bhld"),
-                    "gqa8:2-Lq1000": (3, 8, 2, 1000, 1024, "bhld"), "blhd": (3, 8, 8, 1024, 1024, "blhd")}
+                    "gqa8:2-Lq1000": (3, 8, 2, 1000, 1024, "bhld"), "blhd": (3, 8, 8, 1024, 1024, "blhd"),
+                    "9x384-odd-tiles": (1, 9, 9, 384, 384, "bhld"), "2x4x4096": (2, 4, 4, 4096, 4096, "bhld")}
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["causal", "prefix_lm", "sliding_window"])
+@pytest.mark.parametrize("name", ["causal", "prefix_lm", "alibi", "sliding_window"])
 @pytest.mark.parametrize("shape", list(WS_MASKED_SHAPES))
 def test_warp_specialized_masked_forward_on_gpu(shape, name, dt, monkeypatch):
-    """Causal-like masks over few keys in the persistent warp-specialised kernel (mask code on
-    every tile, Q tiles longest first in groups of 8 heads) against the float64 reference; the
-    sliding window runs it under ATTNCC_WS=on only. On sm90 the kernel must be warp-specialised
-    where the launch takes it; ragged queries and (B, L, H, D) views run the general loops."""
+    """Causal-like masks, with and without a score_mod, in the persistent warp-specialised kernel
+    (mask code on every tile, Q tiles in long-short pairs, 27 tiles: one alone) against the
+    float64 reference; the sliding window runs it under ATTNCC_WS=on only. On sm90 the kernel
+    must be warp-specialised where the launch takes it; ragged queries and (B, L, H, D) views
+    run the general loops."""
     if name == "sliding_window":
         monkeypatch.setenv("ATTNCC_WS", "on")
     B, Hq, Hkv, Lq, Lkv, layout = WS_MASKED_SHAPES[shape]
