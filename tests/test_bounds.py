@@ -64,6 +64,18 @@ def test_bounds_are_tight_for_causal_and_window():
     assert (tb.full.first, tb.full.last) == (HI - 6, LO)
 
 
+def test_full_tiles_of_an_or_with_a_condition_on_the_outer_index():
+    """Prefix-LM from a K/V tile: a tile inside the prefix is attended by every query, so the dK/dV
+    loop runs no mask code on it; past the prefix, queries from the tile's last key on. The join
+    of an all-or-nothing part with another interval is exact, not the narrower part."""
+    m = attncc.Variant(mask_mod=MASKS["prefix_lm"]).analysis.mask
+    full = bounds.derive(m, KV, Q, LO, HI).full
+    for lo, hi, want in [(0, 3, (-sp.oo, sp.oo)), (0, 4, (-sp.oo, sp.oo)), (2, 5, (5, sp.oo)), (8, 11, (11, sp.oo))]:
+        assert (full.first.subs({LO: lo, HI: hi}), full.last.subs({LO: lo, HI: hi})) == want, (lo, hi)
+    rows = bounds.derive(attncc.Variant(mask_mod=MASKS["query_rows_only"]).analysis.mask, KV, Q, LO, HI).full
+    assert (rows.first, rows.last) == (10, sp.oo)
+
+
 def test_block_classes_of_a_data_dependent_mask_match_brute_force():
     from attncc import blocks
     doc = torch.tensor([0] * 40 + [1] * 25 + [2] * 70)

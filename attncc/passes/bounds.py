@@ -91,11 +91,22 @@ def _atom(g, outer, inner, lo, hi, forall: bool) -> Interval:
     pick_hi = (a > 0) != forall
     rest = a * (hi if pick_hi else lo) + d
     if c == 0:
-        ok = rest >= 0
-        return Interval(sp.Piecewise((-INF, ok), (INF, True)), sp.Piecewise((INF, ok), (-INF, True)))
+        return _all_or_nothing(rest >= 0)
     if c > 0:   # c*inner >= -rest
         return Interval(_ceil_div(-rest, c), INF)
     return Interval(-INF, _floor_div(rest, -c))   # -c*inner <= rest
+
+
+def _all_or_nothing(ok) -> Interval:
+    """Every inner index where ``ok`` holds, none otherwise (a condition free of the inner index)."""
+    return Interval(sp.Piecewise((-INF, ok), (INF, True)), sp.Piecewise((INF, ok), (-INF, True)))
+
+
+def _switch(x: Interval):
+    """The condition of an _all_or_nothing interval; None for any other."""
+    if isinstance(x.first, sp.Piecewise) and len(x.first.args) == 2 and x == _all_or_nothing(x.first.args[0].cond):
+        return x.first.args[0].cond
+    return None
 
 
 def _min(x, y):
@@ -119,6 +130,10 @@ def _join(x: Interval, y: Interval, exact_only: bool) -> Interval:
     """Union hull; with exact_only (full tiles) only when it adds no index outside the union."""
     if not exact_only:
         return Interval(_min(x.first, y.first), _max(x.last, y.last))
+    for a, b in ((x, y), (y, x)):
+        ok = _switch(a)
+        if ok is not None:  # e.g. prefix-LM's kv_idx < P for a K/V tile: every query or b's
+            return Interval(sp.Piecewise((-INF, ok), (b.first, True)), sp.Piecewise((INF, ok), (b.last, True)))
     if x.first == y.first:
         return Interval(x.first, _max(x.last, y.last))
     if x.last == y.last:
