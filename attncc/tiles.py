@@ -119,17 +119,22 @@ def ws_pays(facts, score, mask_class: str, spec: Spec) -> bool:
     per (Q tile, head) with the pointer loop -> persistent warp-specialised: 0.335 -> 0.257
     (16x16x1024x128), 1.134 -> 0.995 (4x16x4096x128); at 1x16x16384x128 standalone kernels in
     one process, one program per (Q tile, head) 3.97-4.11 -> persistent 3.89; cuDNN 0.23 / 0.92
-    / 3.60. At head dim 64 a standalone persistent kernel gave 1.276 ms at 4x32x4096x64 against
-    the pointer loop's 1.26-1.30. Causal-like masks (not banded) run it up to WS_MASKED_KV keys
-    (ws_kv), with score mods too where the mod reads no captured tensor per entry (a gather in
-    the key loop is a pointer load, see below). Triton 3.6 warp-specialises only loops whose
+    / 3.60. At head dim 64 without a mask, with the Q tiles dealt in pairs (same-machine A/B, two
+    processes each): 1.305 -> 1.265 ms at 4x32x4096x64, 0.358 -> 0.349 at 16x32x1024x64; under
+    a mask there it lost (causal 0.75 -> 0.81, prefix-LM 0.78 -> 0.92, softcap 0.95 -> 1.03 at
+    4096; ALiBi 0.93 -> 0.91). Causal-like masks (not banded) at head dim 128 run it up to
+    WS_MASKED_KV keys (ws_kv), with score mods too where the mod reads no captured tensor per
+    entry (a gather in the key loop is a pointer load, see below). Triton 3.6 warp-specialises only loops whose
     loads all go through descriptors built on the device, with 4 warps per group (8 warps
     compile unspecialised), one loop per kernel: nothing else, not even one straight-line tile
     after it."""
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
+    if not (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16")):
+        return False
+    if d == 64:
+        return mask_class == "none" and facts.score_identity
     mods_fit = facts.score_identity or (mask_class == "masked" and not gathers_per_entry(score))
-    return (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16") and d == 128
-            and mask_class in ("none", "masked") and mods_fit)
+    return d == 128 and mask_class in ("none", "masked") and mods_fit
 
 
 def ws_kv(mask_class: str, spec: Spec) -> int:

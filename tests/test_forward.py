@@ -153,14 +153,16 @@ def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layou
 def test_warp_specialized_plan_rules():
     """Dropout and data-dependent masks keep the general loops: the warp-specialised kernel runs
     one loop per Q tile. Under ATTNCC_WS=auto it runs only where it measured faster (Hopper,
-    16-bit, head dim 128): without a mask for the identity score_mod; under a causal-like mask up
-    to WS_MASKED_KV keys, score mods included unless they gather a captured tensor per entry."""
+    16-bit): at head dim 64 and 128 without a mask for the identity score_mod; at 128 under a
+    causal-like mask up to WS_MASKED_KV keys, score mods included unless they gather a captured
+    tensor per entry."""
     from attncc import plan
     from attncc.spec import Spec
     from attncc.tiles import WS_MASKED_KV
     rel_bias_causal = lambda *a: (BUILDERS["rel_bias"](*a)[0], BUILDERS["causal"](*a)[1])  # noqa: E731
     for name, d, dtype, target, want, limit in [
-            ("full", 128, "bfloat16", "cuda-sm90", True, 0), ("full", 64, "bfloat16", "cuda-sm90", False, 0),
+            ("full", 128, "bfloat16", "cuda-sm90", True, 0), ("full", 64, "bfloat16", "cuda-sm90", True, 0),
+            ("full", 32, "bfloat16", "cuda-sm90", False, 0), ("causal", 64, "float16", "cuda-sm90", False, 0),
             ("full", 128, "float32", "cuda-sm90", False, 0), ("full", 128, "bfloat16", "cuda-sm100", False, 0),
             ("softcap", 128, "bfloat16", "cuda-sm90", False, 0), ("causal", 128, "bfloat16", "cuda-sm90", True, WS_MASKED_KV),
             ("prefix_lm", 128, "float16", "cuda-sm90", True, WS_MASKED_KV),

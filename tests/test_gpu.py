@@ -106,41 +106,45 @@ def test_blhd_layout_on_gpu():
     assert_close_to_reference(out, lse, ref, ref_lse, torch.float16)
 
 
-# (B, Hq, Hkv, Lq, Lkv, Dv) at head dim 128: keys in whole tiles of 128 take the warp-specialised loop
-WS_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024, 128), "gqa8:2-Lq1000-Lkv2048": (2, 8, 2, 1000, 2048, 128),
-             "1x16x4096": (1, 16, 16, 4096, 4096, 128), "Lq200-Lkv384-Dv64": (3, 4, 4, 200, 384, 64),
-             "Lkv128": (2, 4, 4, 640, 128, 128), "Lq_odd": (2, 4, 4, 999, 512, 128),
-             "3x384-odd-tiles": (1, 3, 3, 384, 384, 128)}
+# (B, Hq, Hkv, Lq, Lkv, D, Dv) at head dim 64 or 128: keys in whole tiles of 128 take the
+# warp-specialised loop
+WS_SHAPES = {"2x8x1024": (2, 8, 8, 1024, 1024, 128, 128), "gqa8:2-Lq1000-Lkv2048": (2, 8, 2, 1000, 2048, 128, 128),
+             "1x16x4096": (1, 16, 16, 4096, 4096, 128, 128), "Lq200-Lkv384-Dv64": (3, 4, 4, 200, 384, 128, 64),
+             "Lkv128": (2, 4, 4, 640, 128, 128, 128), "Lq_odd": (2, 4, 4, 999, 512, 128, 128),
+             "3x384-odd-tiles": (1, 3, 3, 384, 384, 128, 128), "D64-2x8x1024": (2, 8, 8, 1024, 1024, 64, 64),
+             "D64-gqa8:2-Lq1000": (2, 8, 2, 1000, 1024, 64, 64), "D48-3x384": (1, 3, 3, 384, 384, 48, 48)}
 
 
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", list(WS_SHAPES))
 def test_warp_specialized_forward_on_gpu(shape, dt, layout):
-    """Plain attention at head dim 128 (the persistent warp-specialised kernel on Hopper where
-    Lkv % 128 == 0 and Lq % 4 == 0) against the float64 reference, with contiguous (B, H, L, D)
-    tensors (one descriptor per tensor where the queries fill whole tiles) and with (B, L, H, D)
-    query views (one per head); on sm90 the kernel must be warp-specialised."""
-    B, Hq, Hkv, Lq, Lkv, Dv = WS_SHAPES[shape]
+    """Plain attention at head dims 64 (48 padded) and 128 (the persistent warp-specialised kernel
+    on Hopper where Lkv % 128 == 0 and Lq % 4 == 0) against the float64 reference, with
+    contiguous (B, H, L, D) tensors (one descriptor per tensor where the queries fill whole
+    tiles) and with (B, L, H, D) query views (one per head); on sm90 the kernel must be
+    warp-specialised."""
+    B, Hq, Hkv, Lq, Lkv, D, Dv = WS_SHAPES[shape]
     dtype = DTYPES[dt]
     torch.manual_seed(zlib.crc32(f"ws-{shape}-{dt}-{layout}".encode()))
-    q = torch.randn(B, Lq, Hq, 128, device="cuda", dtype=dtype).transpose(1, 2)
+    q = torch.randn(B, Lq, Hq, D, device="cuda", dtype=dtype).transpose(1, 2)
     if layout == "bhld":
         q = q.contiguous()
-    k = torch.randn(B, Hkv, Lkv, 128, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, Lkv, Dv, device="cuda", dtype=dtype)
     kernel = attncc.compile(attncc.Variant())
     out, lse = kernel(q, k, v, enable_gqa=Hq != Hkv, return_lse=True)
     ref, ref_lse = reference_on_gpu(q, k, v, None, None, enable_gqa=Hq != Hkv)
     assert_close_to_reference(out, lse, ref, ref_lse, dtype)
     if torch.cuda.get_device_capability()[0] == 9 and Lkv % 128 == 0 and Lq % 4 == 0:
-        _assert_warp_specialised(kernel)
+        _assert_warp_specialised(kernel, D)
 
 
-def _assert_warp_specialised(kernel):
-    """The variant has a forward module whose attn_fwd_ws Triton compiled warp-specialised."""
+def _assert_warp_specialised(kernel, head_dim=128):
+    """The variant has a forward module at head_dim whose attn_fwd_ws Triton compiled warp-specialised."""
     modules = [m for (key, kind, spec), (_, m) in attncc.api._loaded.items()
-               if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED]
+               if key == kernel.variant.ir_key and kind == "fwd" and m is not None and m.WARP_SPECIALIZED
+               and spec.head_dim == head_dim]
     assert modules, "no warp-specialised forward module was generated on sm90"
     ptx = [k.asm["ptx"] for m in modules for entry in m.attn_fwd_ws.fn.device_caches.values()
            for k in entry[0].values()]
