@@ -124,10 +124,10 @@ def ws_pays(facts, score, mask_class: str, spec: Spec) -> bool:
     a mask there it lost (causal 0.75 -> 0.81, prefix-LM 0.78 -> 0.92, softcap 0.95 -> 1.03 at
     4096; ALiBi 0.93 -> 0.91). Causal-like masks (not banded) at head dim 128 run it up to
     WS_MASKED_KV keys (ws_kv), with score mods too where the mod reads no captured tensor per
-    entry (a gather in the key loop is a pointer load, see below). Triton 3.6 warp-specialises only loops whose
-    loads all go through descriptors built on the device, with 4 warps per group (8 warps
-    compile unspecialised), one loop per kernel: nothing else, not even one straight-line tile
-    after it."""
+    entry (a gather in the key loop is a pointer load, see below). Triton 3.6 warp-specialises
+    only loops whose loads all go through descriptors built on the device, with 4 warps per
+    group (8 warps compile unspecialised), one loop per kernel: nothing else, not even one
+    straight-line tile after it."""
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
     if not (spec.target.startswith("cuda-sm9") and spec.dtype in ("bfloat16", "float16")):
         return False
@@ -142,7 +142,7 @@ def ws_kv(mask_class: str, spec: Spec) -> int:
     one loop runs the mask code on every tile, which long sequences do not afford. H200, bf16,
     forward ms, pointer loops (64x64 tiles to 4096 keys, see short_kv) -> warp-specialised with
     the Q tiles paired long with short, at 16x16x1024x128 / 8x16x2048x128 / 4x16x4096x128 /
-    1x16x16384x128 (tmp A/B runs, two processes each):
+    1x16x16384x128 (same-machine A/B runs, two processes each):
       causal        0.190 -> 0.180, 0.358 -> 0.310, 0.660 -> 0.585, 2.235 -> 2.171
       GQA 4:1       0.177 -> 0.174, 0.353 -> 0.311, 0.629 -> 0.569, 2.198 -> 2.156
       prefix-LM     0.306 -> 0.307, 0.436 -> 0.427, 0.695 -> 0.646, 2.277 -> 2.338

@@ -115,13 +115,13 @@ WS_CASES = [(2, 4, 4, 64, 96, 64, 64), (1, 6, 2, 20, 64, 80, 80), (2, 4, 1, 52, 
 @pytest.mark.parametrize("name", ["full", "scaled_tanh", "causal", "sliding_window", "prefix_lm", "alibi"])
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lkv,D,Dv", WS_CASES)
 def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv):
-    """The warp-specialised forward (the default for plain attention at head dim 128 on Hopper,
-    and for causal-like masks over up to 4096 keys), forced on in the interpreter: a persistent
-    kernel on three programs, Q, K, V through descriptors built in the kernel, one per tensor for
-    (B, H, L, D) stacks of rows and whole query tiles (ROWS), one per (b, h) otherwise ((B, L, H,
-    D) views, ragged queries); masks on every tile of the derived range, only with ROWS; the Q
-    tiles dealt in pairs, an odd count of tiles leaving one alone (3 and 27 tiles); GQA, padded
-    and unequal head dims, a score_mod with a mask (ALiBi)."""
+    """The warp-specialised forward (the default for plain attention at head dims 64 and 128 on
+    Hopper, and for causal-like masks over up to 4096 keys), forced on in the interpreter: a
+    persistent kernel on three programs, Q, K, V through descriptors built in the kernel, one per
+    tensor for (B, H, L, D) stacks of rows and whole query tiles (ROWS), one per (b, h) otherwise
+    ((B, L, H, D) views, ragged queries); masks on every tile of the derived range, only with
+    ROWS; the Q tiles dealt in pairs, an odd count of tiles leaving one alone (3 and 27 tiles);
+    GQA, padded and unequal head dims, a score_mod with a mask (ALiBi)."""
     from attncc import autograd
     monkeypatch.setenv("ATTNCC_WS", "on")
     torch.manual_seed(zlib.crc32(repr(("ws", name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
