@@ -124,11 +124,16 @@ def cmd_show(args):
 
 def default_tile(variant: Variant, length: int) -> tuple[int, int]:
     """(block_m, block_n) of the forward kernel at bfloat16 and head dim 128 on this GPU (sm90
-    without one) for ``length`` keys: the tiles its loop skips or visits (the short tiles of
-    causal-like masks up to tiles.short_kv keys)."""
+    without one) for ``length`` queries and keys in (B, H, L, D) tensors: the tiles its loop
+    skips or visits, as the generated launch picks them (the persistent kernel for whole tiles,
+    under a mask up to ws_kv keys; else the short tiles of causal-like masks up to short_kv)."""
     target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
     kernel = plan.build("fwd", variant.analysis, plan.Spec("bfloat16", 128, 128, 1, target, tma="auto", ws="auto"),
                         variant.captures)
+    ws = kernel.tiles.get("attn_fwd_ws")
+    whole = ws is not None and length % ws.block_m == 0 and length % ws.block_n == 0
+    if kernel.ws and whole and (not kernel.ws_kv or length <= kernel.ws_kv):
+        return ws.block_m, ws.block_n
     fn = "attn_fwd_short" if length <= kernel.short_kv else "attn_fwd"
     return kernel.tiles[fn].block_m, kernel.tiles[fn].block_n
 

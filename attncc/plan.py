@@ -135,11 +135,11 @@ class KernelPlan:
     deterministic: bool = False  # capture gradients accumulate as int64 fixed point (bitwise reproducible)
     split_d: tuple = (16, 0)  # kv: the head dim in two power-of-two pieces (split_dim)
     tma: bool = False         # fwd: K and V are tensor descriptors (TMA loads, zero-filled past the ends)
-    # fwd, no mask: when the keys fill whole tiles, a persistent kernel (attn_fwd_ws, one program
-    # per SM) whose key loop Triton warp-specialises on Hopper (a producer warp streams K/V through
+    # fwd: when the keys fill whole tiles, a persistent kernel (attn_fwd_ws, one program per SM)
+    # whose key loop Triton warp-specialises on Hopper (a producer warp streams K/V through
     # descriptors built on the device, two consumer warp groups of 64 rows compute), with its own
     # tiles, warps and stages (tiles["attn_fwd_ws"]); under a mask its one loop runs the mask code
-    # on every tile, up to ws_kv keys (0: any)
+    # on every tile, up to ws_kv keys (0: any). Which variants take it: tiles.ws_fits / ws_pays
     ws: bool = False
     ws_kv: int = 0
     # bwd, GQA: the dK/dV kernel runs the (query tile, query head) pairs of its group in one loop

@@ -110,9 +110,12 @@ def test_mask_ascii_causal(capsys, mods):
     assert code == 0
     assert _picture(out) == ["#" * i + "+" + "." * (7 - i) for i in range(8)]
     assert "batch 0, head 0" in out and "28 full, 8 partial, 28 empty" in out
-    # the default tile is the forward kernel's at bf16, head dim 128: 64x64 up to 4096 keys
-    # (tiles.short_kv), 128x128 past that
+    # the default tile is the forward kernel's at bf16, head dim 128, as its launch picks it:
+    # lengths in whole tiles of 128 up to 4096 run the persistent kernel's 128x128 (tiles.ws_kv),
+    # other lengths 64x64 up to 4096 keys (tiles.short_kv), 128x128 past that
     code, out, _ = run(capsys, "explain", f"{mods}:causal", "--mask-ascii", "--len", 256)
+    assert "128x128 tiles" in out and _picture(out) == ["+.", "#+"]
+    code, out, _ = run(capsys, "explain", f"{mods}:causal", "--mask-ascii", "--len", 255)
     assert "64x64 tiles" in out and _picture(out) == ["#" * i + "+" + "." * (3 - i) for i in range(4)]
     code, out, _ = run(capsys, "explain", f"{mods}:causal", "--mask-ascii", "--len", 4100)
     assert "128x128 tiles" in out and len(_picture(out)) == 33
