@@ -9,7 +9,7 @@ import torch
 from . import autograd, cache, codegen, config, inference, ir, runtime
 from .checks import MAX_HEAD_DIM
 from .errors import AttnccError
-from .spec import Spec
+from .spec import Spec, sm
 from .variant import Variant, check_dropout
 
 KERNELS = tuple(codegen.TEMPLATES)
@@ -130,7 +130,7 @@ class CompiledAttention:
         if target is None:
             target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
         # what a call with TMA-addressable tensors runs there (runtime.descriptor_modes)
-        modes = ("off", "off") if target == "interpreter" or int(target.removeprefix("cuda-sm")) < 90 else (
+        modes = ("off", "off") if sm(target) < 90 else (
             config.tma(), config.ws())
         spec = Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target, tma=modes[0], ws=modes[1])
         path, _ = self._path_and_module(kernel, spec, load=False)

@@ -10,7 +10,7 @@ from . import __version__, printer
 from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import H, KV, Q, SCORE
-from .spec import Spec  # noqa: F401  (re-exported: plan.Spec)
+from .spec import Spec, sm  # Spec is re-exported: plan.Spec
 from .tiles import pow2, choose_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
 from .variant import Analysis
 
@@ -150,6 +150,8 @@ class KernelPlan:
     # fwd: keys up to which the launch takes the smaller tiles["attn_fwd_short"] (0: never), see
     # short_kv below
     short_kv: int = 0
+    # kv on Hopper and later: merge_splits is a programmatic dependent launch of attn_kv
+    pdl: bool = False
 
     @property
     def runtime_ints(self):
@@ -297,7 +299,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         split_d=split_dim(spec.head_dim),
         tma=tma, ws=ws, ws_kv=ws_limit,
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
-        flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short)
+        flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short,
+        pdl=kernel == "kv" and sm(spec.target) >= 90)
 
 
 def _tiled(fns) -> list:

@@ -11,6 +11,7 @@ import torch
 
 from . import cache, config, launcher
 from .errors import AttnccError
+from .spec import sm
 from .log import logger
 
 _modules: dict = {}
@@ -73,7 +74,7 @@ def descriptor_modes(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     tma, ws = config.tma(), config.ws()
     if target == "interpreter":
         tma, ws = (m if m == "on" else "off" for m in (tma, ws))
-    elif int(target.removeprefix("cuda-sm")) < 90:
+    elif sm(target) < 90:
         return "off", "off"
     if tma == ws == "off":
         return tma, ws

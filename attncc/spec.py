@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def sm(target: str) -> int:
+    """Compute capability of a target as one number ("cuda-sm90" -> 90); 0 for the interpreter."""
+    return int(target.removeprefix("cuda-sm")) if target.startswith("cuda-sm") else 0
+
+
 @dataclass(frozen=True)
 class Spec:
     """What a kernel is specialised on: everything else (B, lengths, strides, scale) is runtime."""

@@ -18,7 +18,7 @@ import attncc
 from attncc import api, inference
 from decode import bench_graph
 
-TILES = [(16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 4), (16, 128, 4, 3)]
+TILES = [(16, 64, 4, 3), (16, 32, 4, 3), (16, 32, 4, 4), (16, 64, 4, 2), (16, 64, 8, 4), (16, 128, 4, 2)]
 
 
 def main():

@@ -307,3 +307,17 @@ def test_generated_inference_kernel_snapshot():
     assert "keep" not in unmasked and "col_ok" not in unmasked
     assert "BLOCK_D=64, BLOCK_D2=16" in src and "GROUP=4" in src
     assert "h = h_kv * GROUP + (rows % GROUP)[:, None]" in kernel  # GQA packing: one K/V read per group
+
+
+def test_merge_is_a_programmatic_dependent_launch_on_hopper():
+    """From sm90 on, merge_splits is launched with PDL and waits (gdc_wait) for attn_kv, which lets
+    it start early (gdc_launch_dependents); an older GPU or the interpreter (which has no GDC
+    instructions) gets neither."""
+    compiled = attncc.compile(attncc.Variant())
+    for target, pdl in (("cuda-sm90", True), ("cuda-sm100", True), ("cuda-sm80", False), ("interpreter", False)):
+        src = compiled.source("kv", torch.float16, head_dim=64, gqa=4, target=target)
+        kernel = src[src.index("def attn_kv("):src.index("def merge_splits(")]
+        merge = src[src.index("def merge_splits("):src.index("# kernels launched from Python")]
+        assert ("tl.extra.cuda.gdc_launch_dependents()" in kernel) == pdl, target
+        assert ("tl.extra.cuda.gdc_wait()" in merge) == pdl, target
+        assert ("launch_pdl=True" in merge) == pdl, target
