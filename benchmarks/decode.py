@@ -5,7 +5,9 @@ bf16, one query token per sequence, GQA 8:1 (32 query heads, 4 K/V heads), head 
                                 [--variants full,alibi,softcap] [--out DIR] [--merge]
 
 Systems: ``attncc`` is attncc.attention's decode path on contiguous (B, Hkv, Lkv, D) tensors;
-``attncc-paged64`` is a PagedKVCache with 64-token pages handed out in shuffled order. Each is
+``attncc-cache`` is a contiguous attncc.KVCache and ``attncc-paged64`` a PagedKVCache with 64-token
+pages handed out in shuffled order, both read through with_kvcache (per-sequence lengths read
+on the GPU; "paged vs cache" compares the two). Each is
 timed as eager calls (Python and launch costs included) and replayed from a CUDA graph (the
 kernels alone, as a serving loop runs them); every time is the best of three medians, each call
 after an L2 flush that reads 256 MiB (flush_l2).
@@ -104,10 +106,12 @@ def systems(variant, B, L, page):
     k, v = (torch.randn(B, HKV, L, D, device="cuda", dtype=DTYPE) for _ in range(2))
     compiled = attncc.compile(attncc.Variant(score_mod, mask_mod))
     out = {"attncc": lambda: compiled(q, k, v, enable_gqa=True)}
-    cache = attncc.PagedKVCache(B * -(-L // page), page, HKV, D, DTYPE, "cuda", seed=0)
-    cache.append(k.transpose(1, 2), v.transpose(1, 2))
     q_bl = q.transpose(1, 2)
-    out[f"attncc-paged{page}"] = lambda: compiled.with_kvcache(q_bl, cache)
+    contiguous = attncc.KVCache(B, L, HKV, D, DTYPE, "cuda")
+    paged = attncc.PagedKVCache(B * -(-L // page), page, HKV, D, DTYPE, "cuda", seed=0)
+    for name, cache in (("attncc-cache", contiguous), (f"attncc-paged{page}", paged)):
+        cache.append(k.transpose(1, 2), v.transpose(1, 2))
+        out[name] = lambda cache=cache: compiled.with_kvcache(q_bl, cache)
     try:
         from torch import _dynamo
         from torch.nn.attention.flex_attention import flex_attention
@@ -133,7 +137,7 @@ def systems(variant, B, L, page):
         try:
             with torch.no_grad():
                 o = fn()
-            o = o.transpose(1, 2) if name.startswith("attncc-paged") else o
+            o = o.transpose(1, 2) if name.startswith(("attncc-cache", "attncc-paged")) else o
             ref = o.float() if ref is None else ref
             err = ((o.float() - ref).norm() / ref.norm()).item()
             if err > 2e-2:
@@ -192,12 +196,12 @@ def main(argv=None):
 
 
 def table(rows, peak, key_ms, title):
-    """Markdown: per (variant, B, Lkv) the time of each system, attncc's speedup over flex, and
-    attncc's share of the copy bandwidth."""
+    """Markdown: per (variant, B, Lkv) the time of each system, attncc's speedup over flex,
+    attncc's share of the copy bandwidth, and the paged cache's time over the contiguous one's."""
     names = sorted({r["system"] for r in rows}, key=lambda s: (not s.startswith("attncc"), s))
     lines = [f"{title}: microseconds per decode step; copy bandwidth {peak:.0f} GB/s", "",
-             "| variant | B | Lkv | " + " | ".join(names) + " | attncc vs flex | attncc % of copy BW |",
-             "|---" * (len(names) + 5) + "|"]
+             "| variant | B | Lkv | " + " | ".join(names) + " | attncc vs flex | attncc % of copy BW | paged vs cache |",
+             "|---" * (len(names) + 6) + "|"]
     keys = sorted({(r["variant"], r["B"], r["Lkv"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
     for key in keys:
         by = {r["system"]: r for r in rows if (r["variant"], r["B"], r["Lkv"]) == key}
@@ -206,8 +210,10 @@ def table(rows, peak, key_ms, title):
         a, f = by.get("attncc"), by.get("flex")
         ratio = f"{f[key_ms] / a[key_ms]:.2f}x" if ok(a) and ok(f) else "—"
         bw = f"{100 * kv_bytes(a) / a[key_ms] / 1e6 / peak:.0f}%" if ok(a) else "—"
+        c, p = by.get("attncc-cache"), next((by[n] for n in names if n.startswith("attncc-paged")), None)
+        paged = f"{p[key_ms] / c[key_ms]:.3f}" if ok(c) and ok(p) else "—"
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cell(by.get(n)) for n in names)
-                     + f" | {ratio} | {bw} |")
+                     + f" | {ratio} | {bw} | {paged} |")
     return "\n".join(lines)
 
 
