@@ -263,6 +263,26 @@ def test_merge_states_equals_one_pass():
         attncc.merge_states(out, lse, out[:, :1], lse)
 
 
+
+def test_merge_of_more_partials_than_one_chunk():
+    """merge_splits reads 64 partials at a time with a running max: 150 partials (three chunks,
+    the largest lse in the last one for some rows), a first chunk with no keys for other rows,
+    and a row with no keys at all, against torch's logsumexp."""
+    torch.manual_seed(5)
+    n, rows, dv = 150, 6, 24
+    outs, lses = torch.randn(n, rows, dv), torch.randn(n, rows) * 4
+    lses[140:, 0] += 30.0      # row 0: the largest weights come in the last chunk
+    lses[:64, 1] = float("-inf")  # row 1: the whole first chunk is empty
+    lses[:, 2] = float("-inf")  # row 2: no keys
+    out, lse = attncc.merge_states(list(outs), list(lses))
+    want_lse = torch.logsumexp(lses.double(), 0)
+    weights = torch.exp(lses.double() - want_lse.nan_to_num(neginf=0.0))
+    want = (weights[..., None] * outs.double()).sum(0)
+    ok = [0, 1, 3, 4, 5]
+    assert (lse[ok].double() - want_lse[ok]).abs().max() < 1e-5
+    assert rel_err(out[ok], want[ok]) < 1e-5
+    assert torch.isinf(lse[2]) and lse[2] < 0 and (out[2] == 0).all()
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kvcache_half_dtypes(dtype):
     """fp16 and bf16 caches (bf16 runs upcast in the interpreter) within the dtype's tolerance."""
