@@ -153,11 +153,12 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
                 block_table=dummy if block_table is None else block_table, paged=paged,
                 page_size=page_size, bottom_right=bottom_right)
     if paged and not s.interpret and max(d, dv) <= 128:
-        # Triton pipelines the block-table read as one more async copy, and at 3 stages it then
-        # waits for all copies before each tile: K/V tiles stream one ahead instead of two. At 5
-        # stages they stream two ahead again (H200, 64-token pages, from a CUDA graph: B=64, 16k
-        # keys 603 -> 508 us; B=8, 128k 539 -> 490 us, contiguous 486 us; B=1, 128k 86.0 -> 82.6 us)
-        args["num_stages"] = PAGED_STAGES
+        # Triton pipelines a block-table read in the key loop as one more async copy, and at 3
+        # stages it then waits for all copies before each tile: K/V tiles stream one ahead instead
+        # of two. At 5 stages they stream two ahead again (H200, 64-token pages, from a CUDA
+        # graph: B=64, 16k keys 603 -> 508 us; B=8, 128k 539 -> 490 us, contiguous 486 us; B=1,
+        # 128k 86.0 -> 82.6 us). Splits that read their block-table entries up front keep 3.
+        args["paged_stages"] = PAGED_STAGES
     o_run = out.float() if s.interpret and out.dtype == torch.bfloat16 else out
     if splits == 1:
         runtime.launch(s.module, q4, k4, v4, view(o_run), view(lse.unsqueeze(-1))[..., 0], captures, scale, **args)
