@@ -140,9 +140,14 @@ def test_kvcache_prefill_then_decode(name, kind):
     assert cache.lengths() == [n + 3 for n in lens]
 
 
-@pytest.mark.parametrize("page_size", [16, 48, 256])
-def test_paged_equals_contiguous(page_size):
-    """Scattered pages (shuffled free list, interleaved appends) give bit-identical results."""
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+def test_paged_equals_contiguous(page_size, split, monkeypatch):
+    """Scattered pages (shuffled free list, interleaved appends) give bit-identical results, with
+    split-KV (pages of whole tiles: each split reads its block-table entries up front) and
+    without (a block-table read per tile, or per key for pages smaller than a tile)."""
+    if not split:
+        monkeypatch.setattr(inference, "num_splits", lambda *a, **kw: (1, None))
     torch.manual_seed(2)
     B, hq, hkv, D = 2, 4, 2, 16
     slopes = torch.rand(hq)
