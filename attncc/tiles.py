@@ -2,8 +2,8 @@
 kernel function (choose_tiles, from a table measured on an H200 with benchmarks/tile_sweep.py and
 tune_sweep.py), and where the forward reads through tensor descriptors (tma_pays), runs the
 persistent warp-specialised kernel (ws_fits, ws_pays, and under a mask up to ws_kv keys) or
-launches short tiles for few keys (short_kv). Each rule
-quotes the measurement it came from; attncc.plan puts the choices into a KernelPlan."""
+launches short tiles for few keys (short_kv). Each rule quotes the measurement it came from;
+attncc.plan puts the choices into a KernelPlan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -157,7 +157,7 @@ def ws_kv(mask_class: str, spec: Spec) -> int:
 
 # the warp-specialised forward with 128x64 tiles and 3 stages gave wrong results on an H200
 # (triton 3.6; found by the autotuner's check against the table's tiles, and NaN in a standalone
-# persistent kernel): cap requests for more
+# persistent kernel): requests for more stages are capped
 WS_MAX_STAGES = 2
 WS_MASKED_KV = 4096  # keys up to which causal-like masks launch the warp-specialised kernel (ws_kv)
 SHORT_KV = (2048, 4096)  # keys up to which causal-like masks take short forward tiles: (identity
