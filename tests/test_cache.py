@@ -140,12 +140,28 @@ def test_masked_loops_compile_out_for_whole_tiles_only_when_the_mask_bounds_noth
     for kind in ("fwd", "bwd"):
         guarded = _masked_loops(attncc.compile(attncc.Variant()).source(kind, dtype=torch.float16, head_dim=64))
         assert guarded and all(guarded), (kind, guarded)
-    # a causal mask cuts tiles at every length: its loops stay unguarded (guarded, the
-    # backward measured slower on an H200)
-    for kind in ("fwd", "bwd"):
-        src = attncc.compile(attncc.Variant(mask_mod=causal_mask)).source(kind, dtype=torch.float16, head_dim=64)
-        guarded = _masked_loops(src)
-        assert guarded and not any(guarded), (kind, guarded)
+    # a sliding window cuts tiles on both sides of its band at every length: no loop is guarded
+    # (guarded, the backward measured slower on an H200)
+    window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 64)  # noqa: E731
+    for kind, n in (("fwd", 2), ("bwd", 4)):
+        guarded = _masked_loops(attncc.compile(attncc.Variant(mask_mod=window)).source(kind, dtype=torch.float16,
+                                                                                      head_dim=64))
+        assert guarded == [False] * n, (kind, guarded)
+
+
+def test_causal_loops_that_can_only_be_empty_or_ragged():
+    """Under a causal mask the forward and dQ kernels start at key 0 with whole tiles, so they have
+    no masked loop before them (only the diagonal's, after); the dK/dV kernel's whole query tiles
+    reach the last query, so its loop after them holds only a ragged tile and is guarded. The
+    diagonal's loops stay unguarded."""
+    kernel = attncc.compile(attncc.Variant(mask_mod=causal_mask))
+    fwd, bwd = (kernel.source(kind, dtype=torch.float16, head_dim=64) for kind in ("fwd", "bwd"))
+    assert _masked_loops(fwd) == [False]
+    assert "range(lo, full_lo, BLOCK_N)" not in fwd and "range(full_hi, hi, BLOCK_N)" in fwd
+    dkdv, dq = bwd[bwd.index("def attn_bwd_dkdv("):bwd.index("def attn_bwd_dq(")], bwd[bwd.index("def attn_bwd_dq("):]
+    assert _masked_loops(dkdv) == [False, True]  # the diagonal, then the ragged last query tile
+    assert "if not EVEN_Q:  # whole tiles reach the end" in dkdv
+    assert _masked_loops(dq) == [False] and "range(lo, full_lo, BLOCK_N)" not in dq
 
 
 _SUBPROCESS = textwrap.dedent("""
