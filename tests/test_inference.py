@@ -317,19 +317,24 @@ def test_capture_too_small_for_cache_positions():
 
 def test_generated_inference_kernel_snapshot():
     """The kv kernel's source: slopes[h] loaded once per program (h is a per-row vector there),
-    mask code only in the first and last tile loops, the head dim 80 split as 64 + 16."""
+    mask code only in the last tile loop (a causal mask's whole tiles start at key 0, so there is
+    no masked loop before them), the head dim 80 split as 64 + 16."""
     slopes = torch.rand(8)
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
     src = attncc.compile(attncc.Variant(alibi, causal_mask)).source("kv", torch.float16, head_dim=80, gqa=4)
     kernel = src[src.index("def attn_kv("):src.index("def merge_splits(")]
-    before, loops = kernel.split("for start_n in range(lo, full_lo, BLOCK_N)")
-    masked, unmasked_and_last = loops.split("for start_n in range(full_lo, full_hi, BLOCK_N)")
-    unmasked, last = unmasked_and_last.split("for start_n in range(full_hi, hi, BLOCK_N)")
+    assert "range(lo, full_lo, BLOCK_N)" not in kernel and "# full_lo = lo: no tile before the whole ones" in kernel
+    before, loops = kernel.split("for start_n in range(full_lo, full_hi, BLOCK_N)")
+    unmasked, last = loops.split("for start_n in range(full_hi, hi, BLOCK_N)")
     assert "tl.load(cap0_ptr + (h).to(tl.int64)" in before and "cap0_ptr" not in loops
-    assert "keep = (q_idx >= kv_idx)" in masked and "keep = (q_idx >= kv_idx)" in last
+    assert "keep = (q_idx >= kv_idx)" in last and "keep" not in before
     assert "keep" not in unmasked and "col_ok" not in unmasked
+    # a sliding window cuts tiles before its whole ones too: that loop stays
+    window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 256)  # noqa: E731
+    window_src = attncc.compile(attncc.Variant(mask_mod=window)).source("kv", torch.float16, head_dim=64)
+    assert "for start_n in range(lo, full_lo, BLOCK_N):  # tiles the mask cuts" in window_src
     assert "BLOCK_D=64, BLOCK_D2=16" in src and "GROUP=4" in src
     assert "h = h_kv * GROUP + (rows % GROUP)[:, None]" in kernel  # GQA packing: one K/V read per group
 
