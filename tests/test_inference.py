@@ -331,12 +331,12 @@ def test_generated_inference_kernel_snapshot():
     assert "tl.load(cap0_ptr + (h).to(tl.int64)" in before and "cap0_ptr" not in loops
     assert "keep = (q_idx >= kv_idx)" in last and "keep" not in before
     assert "keep" not in unmasked and "col_ok" not in unmasked
+    assert "BLOCK_D=64, BLOCK_D2=16" in src and "GROUP=4" in src
+    assert "h = h_kv * GROUP + (rows % GROUP)[:, None]" in kernel  # GQA packing: one K/V read per group
     # a sliding window cuts tiles before its whole ones too: that loop stays
     window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 256)  # noqa: E731
     window_src = attncc.compile(attncc.Variant(mask_mod=window)).source("kv", torch.float16, head_dim=64)
     assert "for start_n in range(lo, full_lo, BLOCK_N):  # tiles the mask cuts" in window_src
-    assert "BLOCK_D=64, BLOCK_D2=16" in src and "GROUP=4" in src
-    assert "h = h_kv * GROUP + (rows % GROUP)[:, None]" in kernel  # GQA packing: one K/V read per group
 
 
 def test_merge_is_a_programmatic_dependent_launch_on_hopper():
