@@ -82,6 +82,17 @@ class TileRange:
         return not self.full_empty and self.reach_first is None and self.reach_end is None \
             and self.full_first is None and self.full_end is None
 
+    @property
+    def starts_whole(self) -> bool:
+        """Whole tiles start at the first inner index: no masked tile comes before them, so the
+        kernels generate no loop for one (a loop that can only be empty still costs registers)."""
+        return not self.full_empty and self.reach_first is None and self.full_first is None
+
+    @property
+    def ends_whole(self) -> bool:
+        """Whole tiles reach the end of the inner length: after them comes at most a ragged tile."""
+        return not self.full_empty and self.reach_end is None and self.full_end is None
+
 
 def _tile_range(mask, outer, inner, lo, hi, printer_) -> TileRange:
     tb = bounds_pass.derive(mask, outer, inner, lo, hi)

@@ -268,7 +268,6 @@ def test_merge_states_equals_one_pass():
         attncc.merge_states(out, lse, out[:, :1], lse)
 
 
-
 def test_merge_of_more_partials_than_one_chunk():
     """merge_splits reads 64 partials at a time with a running max: 150 partials (three chunks,
     the largest lse in the last one for some rows), a first chunk with no keys for other rows,
@@ -287,6 +286,7 @@ def test_merge_of_more_partials_than_one_chunk():
     assert (lse[ok].double() - want_lse[ok]).abs().max() < 1e-5
     assert rel_err(out[ok], want[ok]) < 1e-5
     assert torch.isinf(lse[2]) and lse[2] < 0 and (out[2] == 0).all()
+
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kvcache_half_dtypes(dtype):
