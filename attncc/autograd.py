@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import blocks, config, runtime
-from .checks import check_capture_indices, check_captures, check_qkv
+from .checks import captures_in_range, check_capture_indices, check_captures, check_qkv
 from .errors import AttnccError
 from .log import logger
 from .spec import Spec
@@ -122,17 +122,19 @@ def lookup(key: str):
 _specs: dict = {}  # the Specs calls have built, by their fields: one object per kind of call
 
 
-def _launch(compiled, q, k, v, rng, scale, dropout_p, deterministic) -> Launch:
+def _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic) -> Launch:
     dropout = rng is not None
     target = runtime.target_for(q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tma, ws = runtime.descriptor_modes(target, q, k, v)
-    fields = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], target, dropout, tma, ws, scale > 0)
+    in_range = captures_in_range(compiled.variant, q, k, captures)
+    fields = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], target, dropout, tma, ws, scale > 0,
+              in_range)
     spec = _specs.get(fields)
     if spec is None:
         dtype, d, dv, group, *_ = fields
         spec = _specs[fields] = Spec(str(dtype).removeprefix("torch."), d, dv, group, target, dropout,
-                                     tma=tma, ws=ws, positive_scale=scale > 0)
+                                     tma=tma, ws=ws, positive_scale=scale > 0, in_range=in_range)
     seeds = (*rng.tolist(), dropout_p) if dropout else ()
     return Launch(compiled, spec, scale, seeds, deterministic)
 
@@ -192,7 +194,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, captures: List[Tensor], rng: O
     caps = compiled.variant.captures
     if len(caps) == len(captures) and all(c.tensor is t for c, t in zip(caps, captures)):
         check_capture_indices(compiled.variant, q, k)  # it reads the sizes of the variant's own tensors
-    return run_forward(_launch(compiled, q, k, v, rng, scale, dropout_p, deterministic), q, k, v, captures)
+    return run_forward(_launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic), q, k, v, captures)
 
 
 @attention_op.register_fake
@@ -207,7 +209,7 @@ def attention_backward_op(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Te
                           scale: Optional[float], dropout_p: float, deterministic: bool,
                           learnable: List[int]) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
     """dq, dk, dv and the gradients of captures[i] for i in learnable (in the captures' dtypes)."""
-    launch = _launch(lookup(variant), q, k, v, rng, scale, dropout_p, deterministic)
+    launch = _launch(lookup(variant), q, k, v, captures, rng, scale, dropout_p, deterministic)
     return run_backward(launch, dout, dlse, q, k, v, out, lse, captures, tuple(learnable))
 
 
@@ -267,7 +269,7 @@ def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training:
         return torch.ops.attncc.attention.default(query, key, value, captures, rng, variant.ir_key, variant.scale,
                                                   dropout_p, variant.deterministic)
     check_capture_indices(variant, query, key)
-    launch = _launch(compiled, query, key, value, rng, variant.scale, dropout_p, variant.deterministic)
+    launch = _launch(compiled, query, key, value, captures, rng, variant.scale, dropout_p, variant.deterministic)
     if needs_grad((query, key, value, *captures)):
         return AttentionFunction.apply(query, key, value, launch, *captures)
     return run_forward(launch, query, key, value, captures)  # nothing to differentiate: no autograd node

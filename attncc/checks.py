@@ -5,7 +5,8 @@ once, when a Variant is built (attncc.trace, attncc.variant). What depends on th
 tensors is checked here, before any kernel is generated or launched: the query/key/value
 shapes, dtypes and devices (``check_qkv``), the captured tensors' devices and layouts
 (``check_captures``) and whether the captured tensors are large enough for the indices the
-mods read them at (``check_capture_indices``).
+mods read them at (``check_capture_indices``); ``captures_in_range`` finds the tensors that every
+index stays inside, whose loads then compile without bounds masks.
 """
 from __future__ import annotations
 
@@ -144,6 +145,39 @@ def check_index_ranges(variant, leaves: dict, lengths: tuple | None = None) -> N
     if len(variant.index_checked) >= _MEMO_SIZE:
         variant.index_checked.clear()
     variant.index_checked.add(memo)
+
+
+WHOLE_TILE = 128  # the largest tile of the training kernels: their positions reach lengths rounded up to it
+
+
+def captures_in_range(variant, query, key, captures) -> tuple:
+    """Numbers of the captured tensors that every index the mods read stays inside for attention
+    of ``query`` over ``key``, loads inside a branch of ``torch.where`` included: the training
+    kernels read those without bounds masks (``Spec.in_range``). Positions run over the lengths
+    rounded up to whole tiles, since a ragged tile evaluates the mods on rows and columns past
+    the end before masking them. H200, relative-position table (causal, bf16), forward
+    0.564 -> 0.489 ms at 16x16x1024x128 and 1.654 -> 1.392 at 4x16x4096x128 without the masks.
+    Memoised per lengths and capture shapes: a call like one seen before costs one lookup."""
+    if not captures:
+        return ()
+    B, Hq, Lq, _ = query.shape
+    Lkv = key.shape[2]
+    memo = (B, Hq, Lq, Lkv, *[t.shape for t in captures])
+    hit = variant.in_range.get(memo)
+    if hit is not None:
+        return hit
+    whole = lambda n: -(-n // WHOLE_TILE) * WHOLE_TILE  # noqa: E731
+    leaves = {"b": (0, B - 1), "h": (0, Hq - 1), "q_idx": (0, whole(Lq) - 1), "kv_idx": (0, whole(Lkv) - 1)}
+    outside = set()
+    for site in variant.load_sites:
+        lo, hi = interval(site.index, leaves)
+        if not 0 <= lo <= hi < captures[site.capture].shape[site.dim]:
+            outside.add(site.capture)
+    inside = () if 0 in (B, Hq, Lq, Lkv) else tuple(i for i in range(len(captures)) if i not in outside)
+    if len(variant.in_range) >= _MEMO_SIZE:
+        variant.in_range.clear()
+    variant.in_range[memo] = inside
+    return inside
 
 
 def _index_message(site, cap, lo, hi, size, described) -> str:

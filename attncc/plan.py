@@ -188,18 +188,22 @@ def _label(cap, i) -> str:
     return name if name and name.isidentifier() and not name.startswith("cap") and len(name) < 24 else f"cap{i}_"
 
 
-def _describe(i, ndim, kind, cap, facts) -> str:
+def _describe(i, ndim, kind, cap, facts, in_range) -> str:
     users = [n for n, caps in (("score_mod", facts.captures_in_score), ("mask_mod", facts.captures_in_mask))
              if i in caps]
     label = f"`{cap.name}` " if cap is not None and cap.name else ""
-    return f"{label}{kind} tensor, {ndim}-d, read by {' and '.join(users) or 'nothing'}"
+    inside = ", every index inside it at the call's lengths (no bounds masks)" if in_range else ""
+    return f"{label}{kind} tensor, {ndim}-d, read by {' and '.join(users) or 'nothing'}{inside}"
 
 
-def _offset_and_bounds(index, capture, printer_):
+def _offset_and_bounds(index, capture, printer_, at_positions=True):
+    """Offset and bounds checks of a gradient's atomic add; none where the index is at the tile's
+    positions and stays inside the tensor there (``printer.in_range``). The diagonal sums add at
+    points (q_diag, kv_first) off the tile, which keep their checks."""
     offset = " + ".join(f"({printer_.doprint(i)}).to(tl.int64) * dcap{capture}_stride{d}"
                         for d, i in enumerate(index)) or "0"
-    bounds = [f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{capture}_size{d})"
-              for d, i in enumerate(index)]
+    bounds = [] if at_positions and printer_.in_range(capture) else [
+        f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{capture}_size{d})" for d, i in enumerate(index)]
     return offset, bounds
 
 
@@ -219,7 +223,7 @@ def _cap_grad(g, j, printer_) -> CapGrad:
     if reduce == "none" and _reads_difference_only(index):
         reduce = "diag"
         at = {Q: sp.Symbol("q_diag", integer=True), KV: sp.Symbol("kv_first", integer=True)}
-        diag_offset, diag_bounds = _offset_and_bounds([i.xreplace(at) for i in index], g.capture, printer_)
+        diag_offset, diag_bounds = _offset_and_bounds([i.xreplace(at) for i in index], g.capture, printer_, False)
         diag_mask = printer_.as_bool(" & ".join(diag_bounds))
     # rows / columns that exist: what the sum did not already fold away
     valid = {"both": [], "kv": ["row_ok"], "q": ["col_ok"], "none": ["valid"], "diag": ["valid"]}[reduce]
@@ -233,7 +237,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     score = None if f.score_identity else analysis.score
     keep = None if f.mask_trivial else analysis.mask
     labels = [_label(captures[i] if i < len(captures) else None, i) for i in range(len(analysis.captures))]
-    cap_info = tuple((nd, kind, lab) for (nd, kind), lab in zip(analysis.captures, labels))
+    cap_info = tuple((nd, kind, labels[i], i in spec.in_range) for i, (nd, kind) in enumerate(analysis.captures))
     # The backward and decode kernels take an additive bias in log2 units over float positions
     # (s = q.k * scale * log2(e) + bias). Same-run A/B on an H200 (bf16, ALiBi-causal, against
     # the score_mod form with integer positions): backward 2.02 -> 1.97 ms at 4x16x4096x128
@@ -281,9 +285,9 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
                   "banded" if fwd_bounds is not None and fwd_bounds.reach_first is not None else "masked")
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
-    caps = tuple(
-        CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f))
-        for i, (nd, kind) in enumerate(analysis.captures))
+    caps = tuple(CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f,
+                                                   i in spec.in_range))
+                 for i, (nd, kind) in enumerate(analysis.captures))
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
     ws = kernel == "fwd" and ws_fits(block_sparse, spec) and (
         spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, analysis.score, mask_class, spec)))

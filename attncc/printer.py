@@ -28,7 +28,7 @@ class TritonPrinter(StrPrinter):
 
     def __init__(self, captures: tuple = (), interpreter: bool = False):
         super().__init__({"full_prec": True})
-        self.captures = captures  # (ndim, kind, label) per capture number
+        self.captures = captures  # (ndim, kind, label, in_range) per capture number
         # Triton's interpreter turns `scalar_bool & tensor_bool` into int32 (and then rejects it
         # as a load mask): for that target, conjunctions are compared back to bool.
         self.interpreter = interpreter
@@ -188,8 +188,13 @@ class TritonPrinter(StrPrinter):
             return self._load(int(e.func.__name__[3:]), e.args)
         return super()._print_Function(e)
 
+    def in_range(self, n: int) -> bool:
+        """Whether every index of captured tensor ``n`` stays inside it (checked on the host):
+        its loads need no bounds mask."""
+        return self.captures[n][3]
+
     def _load(self, n, index):
-        ndim, kind, _ = self.captures[n]
+        ndim, kind, _, in_range = self.captures[n]
         cap = f"cap{n}"
         convert = ".to(tl.float32)" if kind == "float" else ".to(tl.int32)"
         if not index:
@@ -203,6 +208,8 @@ class TritonPrinter(StrPrinter):
             else:
                 offsets.append(f"({text}).to(tl.int64) * {cap}_stride{d}")
                 bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
+        if in_range:
+            return f"tl.load({cap}_ptr + {' + '.join(offsets)}){convert}"
         return (f"tl.load({cap}_ptr + {' + '.join(offsets)}, mask={self.as_bool(' & '.join(bounds))}, other=0)"
                 f"{convert}")
 

@@ -30,3 +30,5 @@ class Spec:
                              # (where it measured faster, tiles.ws_pays / ws_kv), "on" (where it fits)
     tiles: tuple = ()        # ((kernel function, (block_m, block_n, num_warps, num_stages)), ...):
                              # tiles the autotuner measured fastest (attncc.tune), replacing the table
+    in_range: tuple = ()     # fwd, bwd: numbers of the captured tensors every index stays inside at the
+                             # call's lengths (attncc.checks.captures_in_range): loaded without bounds masks

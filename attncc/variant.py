@@ -111,6 +111,7 @@ class Variant:
         parts = [n for n in (_name_of(score_mod), _name_of(mask_mod)) if n]
         self.name = name or "+".join(parts) or ("full" if score_mod is None and mask_mod is None else "variant")
         self.index_checked: set = set()  # (lengths, mode, capture shapes) that passed the index check
+        self.in_range: dict = {}  # (lengths, capture shapes) -> captures read inside (checks.captures_in_range)
 
     @cached_property
     def ir_key(self) -> str:
@@ -123,6 +124,12 @@ class Variant:
         """Every captured-tensor index the kernels read unconditionally, classified by how it is
         checked against the tensor's shape per call (``attncc.passes.ranges``)."""
         return ranges.index_sites((self.score_ir, self.mask_ir), self.captures)
+
+    @cached_property
+    def load_sites(self) -> tuple:
+        """``index_sites`` and the indices read inside a branch of ``torch.where`` too: every index
+        the kernels evaluate (``attncc.checks.captures_in_range``)."""
+        return ranges.index_sites((self.score_ir, self.mask_ir), self.captures, guarded=True)
 
     @cached_property
     def analysis(self) -> Analysis:

@@ -110,6 +110,27 @@ def test_learnable_relative_bias_table():
                 mask_mod=causal, caps=(table,))
 
 
+@pytest.mark.parametrize("L", [128, 100])
+def test_captures_read_inside_lose_their_bounds_masks(L):
+    """At whole-tile lengths (128) every index of the table and of the document ids stays inside
+    them: their loads compile without bounds masks (checks.captures_in_range), and the gradients,
+    the table's summed per diagonal included, still match the reference. At 100 positions the
+    ragged tile's rows past the end read outside, and the masks stay."""
+    from attncc import autograd, checks
+    torch.manual_seed(L)
+    table = (0.5 * torch.randn(2, 2 * L - 1)).requires_grad_()
+    docs = torch.sort(torch.randint(0, 3, (L,))).values
+    mod = lambda s, b, h, q, k: s + table[h, q - k + L - 1]
+    mask = lambda b, h, q, k: (docs[q] == docs[k]) & (q >= k)
+    variant = attncc.Variant(mod, mask)
+    q = torch.randn(1, 2, L, 16)
+    inside = checks.captures_in_range(variant, q, q, [table, docs])
+    assert inside == ((0, 1) if L == 128 else ())
+    spec = autograd._launch(attncc.compile(variant), q, q, q, [table, docs], None, None, 0.0, False).spec
+    assert spec.in_range == inside
+    check_grads(1, 2, 2, L, L, 16, 16, score_mod=mod, mask_mod=mask, caps=(table,))
+
+
 @pytest.mark.parametrize("Lq, Lkv, group", [(50, 50, 1), (37, 70, 2), (70, 33, 1)])
 def test_learnable_relative_table_summed_per_diagonal(Lq, Lkv, group):
     """Indices that read q_idx - kv_idx only take the per-diagonal reduction; the table is too

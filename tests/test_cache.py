@@ -264,3 +264,45 @@ def test_triton_key_is_kept_until_tritons_files_change(attncc_cache_dir, tmp_pat
     assert new_process() == "key-of-build 22" and len(calls) == 2
     monkeypatch.setenv("ATTNCC_TRITON_KEY", "0")
     assert new_process() == "key-of-build 22" and len(calls) == 3  # off: Triton computes it
+
+
+def test_captures_in_range_rules():
+    """Which captured tensors the training kernels read without bounds masks: those every index
+    stays inside over the lengths rounded up to whole tiles of 128, including indices inside a
+    torch.where branch (both branches run) and never an index read from a tensor's values."""
+    from attncc.checks import captures_in_range
+    q = torch.randn(2, 4, 256, 16)
+    slopes, short, docs = torch.randn(4), torch.randn(3), torch.arange(256)
+    bias, gate = torch.randn(8), torch.randn(256)
+    cases = [  # (score_mod, mask_mod, captures, in range)
+        (lambda s, b, h, qi, k: s + slopes[h] * (k - qi), None, [slopes], (0,)),
+        (lambda s, b, h, qi, k: s + short[h], None, [short], ()),            # 3 entries for 4 heads
+        (None, lambda b, h, qi, k: docs[qi] == docs[k], [docs], (0,)),
+        (lambda s, b, h, qi, k: s + bias[docs[qi] % 8], None, [bias, docs], (1,)),  # bias: a data index
+        (lambda s, b, h, qi, k: torch.where(qi < 4, s + gate[qi + 200], s), None, [gate], ()),
+    ]
+    for score_mod, mask_mod, caps, want in cases:
+        variant = attncc.Variant(score_mod, mask_mod)
+        assert captures_in_range(variant, q, q, caps) == want
+    variant = attncc.Variant(None, lambda b, h, qi, k: docs[qi] == docs[k])
+    assert captures_in_range(variant, q[:, :, :200], q[:, :, :200], [docs[:200]]) == ()  # tiles reach 256
+    assert captures_in_range(variant, q[:, :, :200], q[:, :, :200], [docs]) == (0,)
+    assert variant.index_sites and len(variant.in_range) == 2  # memoised per lengths and shapes
+
+
+def test_loads_of_captures_in_range_have_no_bounds_masks():
+    """The generated source loads a captured tensor proven in range without a mask and says so
+    in the capture's comment; the same variant at a ragged length keeps the masks."""
+    from attncc import autograd
+    sources = {}
+    for L in (256, 200):
+        table = torch.randn(2, 2 * L - 1)
+        kernel = attncc.compile(attncc.Variant(lambda s, b, h, q, k: s + table[h, q - k + L - 1]))
+        q = torch.randn(1, 2, L, 16)
+        spec = autograd._launch(kernel, q, q, q, [table], None, None, 0.0, False).spec
+        sources[L] = Path(kernel.module("fwd", spec).__file__).read_text()
+    inside, ragged = sources[256], sources[200]
+    assert "every index inside it at the call's lengths (no bounds masks)" in inside
+    assert re.search(r"tl\.load\(cap0_ptr \+ [^\n]*\* cap0_stride1\)\.to\(tl\.float32\)", inside)
+    assert "< cap0_size1" not in inside
+    assert "every index inside it" not in ragged and ragged.count("< cap0_size1)") >= 2

@@ -21,6 +21,13 @@ HEAD_DIMS = [16, 64, 80]
 CASES_PER_PAIR = 4  # per (variant, dtype)
 
 
+def launch_spec(compiled, q, k, v):
+    """The Spec of an eager forward call of ``compiled`` on q, k, v (with its own captures)."""
+    from attncc import autograd
+    captures = [c.tensor for c in compiled.variant.captures]
+    return autograd._launch(compiled, q, k, v, captures, None, None, 0.0, False).spec
+
+
 def _spread(rng: random.Random, values: list, n: int) -> list:
     """n values in which every one of ``values`` appears (n >= len(values)), shuffled."""
     out = [values[i % len(values)] for i in range(n)]
@@ -93,13 +100,12 @@ TMA_CASES = list(_FIRST_PER_PAIR.values())  # the first sampled case of each (va
 def test_tma_forward_matches_reference(monkeypatch, name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv):
     """The forward that reads K and V through tensor descriptors (TMA, the default on Hopper GPUs),
     forced on in the interpreter: every variant once per dtype, ragged lengths, GQA, padded D."""
-    from attncc import autograd
     monkeypatch.setenv("ATTNCC_TMA", "on")
     torch.manual_seed(zlib.crc32(repr(("tma", name, dt, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
     score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cpu")
     q, k, v = randn_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype=DTYPES[dt])
     compiled = attncc.compile(attncc.Variant(score_mod, mask_mod))
-    assert compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec).TMA
+    assert compiled.module("fwd", launch_spec(compiled, q, k, v)).TMA
     check(q, k, v, score_mod, mask_mod, kernel=compiled, enable_gqa=Hq != Hkv)
 
 
@@ -122,7 +128,6 @@ def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layou
     ((B, L, H, D) views, ragged queries); masks on every tile of the derived range, only with
     ROWS; the Q tiles dealt in pairs, an odd count of tiles leaving one alone (3 and 27 tiles);
     GQA, padded and unequal head dims, a score_mod with a mask (ALiBi)."""
-    from attncc import autograd
     monkeypatch.setenv("ATTNCC_WS", "on")
     torch.manual_seed(zlib.crc32(repr(("ws", name, dt, layout, B, Hq, Hkv, Lq, Lkv, D, Dv)).encode()))
     if name in ("full", "scaled_tanh"):
@@ -134,7 +139,7 @@ def test_warp_specialized_forward_matches_reference(monkeypatch, name, dt, layou
     if layout == "blhd":  # the same values as (B, L, H, D) tensors viewed through .transpose(1, 2)
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     compiled = attncc.compile(attncc.Variant(score_mod, mask_mod))
-    module = compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec)
+    module = compiled.module("fwd", launch_spec(compiled, q, k, v))
     assert module.WARP_SPECIALIZED and not module.TMA and module.WS_KV == 0
     launches, jit = [], module.attn_fwd_ws
 
@@ -216,11 +221,10 @@ def test_short_tiles_rule():
 def test_short_tiles_launch_by_key_count(monkeypatch, Lkv, rows):
     """The forward launches its short tiles (16 query rows in the interpreter) up to 64 keys and
     the general ones past that; both match the reference."""
-    from attncc import autograd
     torch.manual_seed(Lkv)
     q, k, v = randn_qkv(2, 4, 2, 50, Lkv, 24)
     compiled = attncc.compile(attncc.Variant(mask_mod=causal_mask))
-    module = compiled.module("fwd", autograd._launch(compiled, q, k, v, None, None, 0.0, False).spec)
+    module = compiled.module("fwd", launch_spec(compiled, q, k, v))
     grids, jit = [], module.attn_fwd
 
     class Spy:

@@ -139,22 +139,23 @@ def _kind(index: ir.Node) -> str:
     return "bounded" if math.isfinite(lo) and math.isfinite(hi) else "shifted"
 
 
-def index_sites(roots, captures) -> tuple:
-    """Every (capture, dimension, index) the kernels read unconditionally, classified."""
+def index_sites(roots, captures, guarded: bool = False) -> tuple:
+    """Every (capture, dimension, index) the kernels read unconditionally, classified; with
+    ``guarded``, also those inside a branch of ``torch.where`` (the kernels evaluate both)."""
     number = {c: i for i, c in enumerate(captures)}
     sites, seen = [], set()
 
-    def visit(n: ir.Node, guarded: bool):
-        if (n, guarded) in seen:
+    def visit(n: ir.Node, under_where: bool):
+        if (n, under_where) in seen:
             return
-        seen.add((n, guarded))
-        if n.op == "load" and not guarded:
+        seen.add((n, under_where))
+        if n.op == "load" and not under_where:
             for d, i in enumerate(n.args):
                 site = IndexSite(number[n.value], d, i, _kind(i))
                 if site not in sites:
                     sites.append(site)
         for j, arg in enumerate(n.args):
-            visit(arg, guarded or (n.op == "where" and j > 0))
+            visit(arg, under_where or (n.op == "where" and j > 0 and not guarded))
     for r in roots:
         if r is not None:
             visit(r, False)
