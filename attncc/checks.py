@@ -162,11 +162,13 @@ def captures_in_range(variant, query, key, captures) -> tuple:
         return ()
     B, Hq, Lq, _ = query.shape
     Lkv = key.shape[2]
-    memo = (B, Hq, Lq, Lkv, *[t.shape for t in captures])
+    overrides = config.tile_overrides()  # ATTNCC_TILES may ask for larger tiles
+    memo = (B, Hq, Lq, Lkv, *[t.shape for t in captures], *overrides.values())
     hit = variant.in_range.get(memo)
     if hit is not None:
         return hit
-    whole = lambda n: -(-n // WHOLE_TILE) * WHOLE_TILE  # noqa: E731
+    tile = max([WHOLE_TILE] + [max(t[:2]) for t in overrides.values()])
+    whole = lambda n: -(-n // tile) * tile  # noqa: E731
     leaves = {"b": (0, B - 1), "h": (0, Hq - 1), "q_idx": (0, whole(Lq) - 1), "kv_idx": (0, whole(Lkv) - 1)}
     outside = set()
     for site in variant.load_sites:

@@ -266,7 +266,7 @@ def test_triton_key_is_kept_until_tritons_files_change(attncc_cache_dir, tmp_pat
     assert new_process() == "key-of-build 22" and len(calls) == 3  # off: Triton computes it
 
 
-def test_captures_in_range_rules():
+def test_captures_in_range_rules(monkeypatch):
     """Which captured tensors the training kernels read without bounds masks: those every index
     stays inside over the lengths rounded up to whole tiles of 128, including indices inside a
     torch.where branch (both branches run) and never an index read from a tensor's values."""
@@ -288,6 +288,10 @@ def test_captures_in_range_rules():
     assert captures_in_range(variant, q[:, :, :200], q[:, :, :200], [docs[:200]]) == ()  # tiles reach 256
     assert captures_in_range(variant, q[:, :, :200], q[:, :, :200], [docs]) == (0,)
     assert variant.index_sites and len(variant.in_range) == 2  # memoised per lengths and shapes
+    q = q[:, :, :128]  # whole tiles of 128, but not of the 256 keys an ATTNCC_TILES override asks for
+    assert captures_in_range(variant, q, q, [docs[:128]]) == (0,)
+    monkeypatch.setenv("ATTNCC_TILES", '{"attn_fwd": [64, 256, 8, 2]}')
+    assert captures_in_range(variant, q, q, [docs[:128]]) == ()
 
 
 def test_loads_of_captures_in_range_have_no_bounds_masks():
