@@ -156,7 +156,8 @@ def captures_in_range(variant, query, key, captures) -> tuple:
     kernels read those without bounds masks (``Spec.in_range``). Positions run over the lengths
     rounded up to whole tiles, since a ragged tile evaluates the mods on rows and columns past
     the end before masking them. H200, relative-position table (causal, bf16), forward
-    0.564 -> 0.489 ms at 16x16x1024x128 and 1.654 -> 1.392 at 4x16x4096x128 without the masks.
+    0.561 -> 0.487 ms at 16x16x1024x128 and 1.640 -> 1.382 at 4x16x4096x128 without the masks
+    (A/B against d4c3a48; 1.7% slower at head dim 64, README).
     Memoised per lengths and capture shapes: a call like one seen before costs one lookup."""
     if not captures:
         return ()
