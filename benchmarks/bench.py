@@ -35,7 +35,7 @@ SHAPES = ((16, 16, 1024, 128), (4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 
 QUICK_SHAPES = ((4, 16, 4096, 128),)
 LATENCY_SHAPE = (4, 16, 4096, 128)
 QUICK_LATENCY = ("causal",)
-SYSTEMS = ("attncc", "flex", "sdpa-flash", "sdpa-cudnn")
+SYSTEMS = ("attncc", "flex", "flex-flash", "fa4", "sdpa-flash", "sdpa-cudnn")
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 TOL = 2e-2  # relative error of attncc's output and gradients against the reference system (bf16)
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -60,11 +60,25 @@ def compile_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_fn(case, N):
+def flex_fn(case, N, kernel_options=None):
+    """Compiled FlexAttention; kernel_options={"BACKEND": "FLASH"} is its FlashAttention-4 (CuTe DSL)
+    backend (torch >= 2.11 with flash-attn-4 installed), which inlines the mods into FA4's kernels."""
     from torch.nn.attention.flex_attention import create_block_mask
     flex = compile_flex()
     mask = create_block_mask(case.mask_mod, None, None, N, N, device=DEVICE) if case.mask_mod else None
-    return lambda q, k, v: flex(q, k, v, score_mod=case.score_mod, block_mask=mask, enable_gqa=case.gqa > 1)
+    return lambda q, k, v: flex(q, k, v, score_mod=case.score_mod, block_mask=mask, enable_gqa=case.gqa > 1,
+                                kernel_options=kernel_options)
+
+
+def fa4_fn(case):
+    """flash_attn.cute.flash_attn_func (FlashAttention-4), where its arguments express the variant.
+    It takes (B, N, H, D): the transposes are views, and its output is viewed back."""
+    from flash_attn.cute import flash_attn_func
+
+    def fn(q, k, v):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **case.fa4)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+    return fn
 
 
 def sdpa_fn(case, training=True):
@@ -78,6 +92,10 @@ def build(system, case, N, training=True):
         return attncc_fn(case, training)
     if system == "flex":
         return flex_fn(case, N) if case.flex else None
+    if system == "flex-flash":
+        return flex_fn(case, N, {"BACKEND": "FLASH"}) if case.flex else None
+    if system == "fa4":
+        return fa4_fn(case) if case.fa4 is not None else None
     return sdpa_fn(case, training) if system in case.sdpa_backends else None
 
 
@@ -90,8 +108,10 @@ def backend(system):
 
 
 def not_available(system, case):
-    if system == "flex":
+    if system in ("flex", "flex-flash"):
         return "n/a: FlexAttention has no dropout"
+    if system == "fa4":
+        return "n/a: flash_attn_func's arguments cannot express it"
     if case.sdpa is not None:
         return f"n/a: compared with {', '.join(case.sdpa_backends)} only"
     return "n/a: SDPA cannot express it natively"
@@ -287,7 +307,7 @@ def parse_args(argv=None):
                    "or none for first-call latency only")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated systems among: {', '.join(SYSTEMS)} (default all; attncc is checked "
-                   "against sdpa-flash or flex only when one of them runs)")
+                   "against sdpa-flash or flex only when one of them runs; flex-flash and fa4 need flash-attn-4)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (default 100)")
     p.add_argument("--latency", help="first-call latency for: all | none | VARIANT,... (default: the --only "

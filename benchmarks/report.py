@@ -11,9 +11,16 @@ def row_key(r):
     return (r["kind"], r["system"], r["variant"], r["B"], r["H"], r["N"], r["D"])
 
 
+# The strongest peers per cell (issue targets): the fastest of these that runs it; where none does,
+# FlexAttention's Triton backend; dropout (which none of them has): SDPA's flash backend.
+STRONGEST = ("flex-flash", "fa4", "sdpa-cudnn")
+FALLBACK = ("flex", "sdpa-flash")
+
+
 def add_speedups(rows):
-    """attncc timing rows get flex_ms / attncc_ms and best-SDPA ms / attncc_ms, for fwd, bwd and
-    fwd+bwd (> 1: attncc is faster); sdpa_best_* names the SDPA backend compared with."""
+    """attncc timing rows get flex_ms / attncc_ms, best-SDPA ms / attncc_ms and best-peer ms /
+    attncc_ms (STRONGEST), for fwd, bwd and fwd+bwd (> 1: attncc is faster); sdpa_best_* and
+    peer_best_* name the system compared with."""
     shape = lambda r: (r["variant"], r["B"], r["H"], r["N"], r["D"])  # noqa: E731
     timing = [r for r in rows if r["kind"] == "timing"]
     for a in (r for r in timing if r["system"] == "attncc"):
@@ -27,6 +34,10 @@ def add_speedups(rows):
             a[f"speedup_vs_flex_{part}"] = flex / a[ms] if ok and flex and flex > 0 else None
             a[f"speedup_vs_sdpa_{part}"] = best[ms] / a[ms] if ok and best and best[ms] > 0 else None
             a[f"sdpa_best_{part}"] = best["system"] if ok and best else None
+            ran = lambda systems: [r for r in same if r["system"] in systems and r[ms] and r[ms] > 0]  # noqa: E731
+            peer = min(ran(STRONGEST) or ran(FALLBACK[:1]) or ran(FALLBACK[1:]), key=lambda r: r[ms], default=None)
+            a[f"speedup_vs_peer_{part}"] = peer[ms] / a[ms] if ok and peer else None
+            a[f"peer_best_{part}"] = peer["system"] if ok and peer else None
 
 
 def save(rows, env, path: Path):
@@ -72,11 +83,14 @@ def ratio_cell(r, vs):
 
 def timing_table(rows):
     lines = ["| variant | B×H×N×D | system | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | attncc/flex fwd · bwd "
-             "| attncc/best SDPA fwd · bwd | note |", "|---|---|---|--:|--:|--:|--:|--:|--:|---|"]
+             "| attncc/best SDPA fwd · bwd | attncc/best peer fwd · bwd (peer) | note |",
+             "|---|---|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     for r in rows:
+        peers = "/".join(dict.fromkeys(p for p in (r.get("peer_best_fwd"), r.get("peer_best_bwd")) if p))
         lines.append(f"| {r['variant']} | {row_shape(r)} | {r['system']} | {fmt(r['fwd_ms'], '.3f')} | "
                      f"{fmt(r['bwd_ms'], '.3f')} | {fmt(r['fwd_tflops'], '.0f')} | {fmt(r['bwd_tflops'], '.0f')} | "
-                     f"{ratio_cell(r, 'flex')} | {ratio_cell(r, 'sdpa')} | {r['note'] or ''} |")
+                     f"{ratio_cell(r, 'flex')} | {ratio_cell(r, 'sdpa')} | "
+                     f"{ratio_cell(r, 'peer')}{f' ({peers})' if peers else ''} | {r['note'] or ''} |")
     return "\n".join(lines)
 
 

@@ -25,7 +25,8 @@ class Case:
     dropout_p: float = 0.0
     sdpa: dict | None = None     # F.scaled_dot_product_attention kwargs that express it; None: n/a
     sdpa_backends: tuple = ()    # systems among ("sdpa-flash", "sdpa-cudnn") that run it
-    flex: bool = True            # FlexAttention expresses it
+    flex: bool = True            # FlexAttention expresses it (its Triton and FLASH backends)
+    fa4: dict | None = None      # flash_attn.cute.flash_attn_func kwargs that express it; None: n/a
     learnable: tuple = ()        # captured tensors that require grad (timed backward includes them)
 
 
@@ -69,15 +70,16 @@ def make_cases(H: int, N: int, device, window: int = 1024, prefix: int = 1024) -
 
     flash_cudnn = ("sdpa-flash", "sdpa-cudnn")
     cases = [
-        Case("full", sdpa={}, sdpa_backends=flash_cudnn),
-        Case("causal", mask_mod=causal, sdpa=dict(is_causal=True), sdpa_backends=flash_cudnn),
-        Case("sliding_window_1024", mask_mod=sliding_window),
+        Case("full", sdpa={}, sdpa_backends=flash_cudnn, fa4={}),
+        Case("causal", mask_mod=causal, sdpa=dict(is_causal=True), sdpa_backends=flash_cudnn, fa4=dict(causal=True)),
+        # FA4's window (left, right) keeps q - left <= kv <= q + right: q - kv < window is left = window - 1
+        Case("sliding_window_1024", mask_mod=sliding_window, fa4=dict(causal=True, window_size=(window - 1, 0))),
         Case("document_causal", mask_mod=document_causal),
         Case("prefix_lm_1024", mask_mod=prefix_lm),
         Case("alibi_causal", alibi, causal),
-        Case("softcap_causal", softcap, causal),
+        Case("softcap_causal", softcap, causal, fa4=dict(causal=True, softcap=30.0)),
         Case("gqa4_causal", mask_mod=causal, gqa=4, sdpa=dict(is_causal=True, enable_gqa=True),
-             sdpa_backends=flash_cudnn),
+             sdpa_backends=flash_cudnn, fa4=dict(causal=True)),
         Case("relative_bias_causal", relative_bias, causal, learnable=(table,)),
         Case("dropout0.1_causal", mask_mod=causal, dropout_p=0.1, sdpa=dict(is_causal=True, dropout_p=0.1),
              sdpa_backends=("sdpa-flash",), flex=False),
