@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import blocks, config, runtime
-from .checks import captures_in_range, check_capture_indices, check_captures, check_qkv
+from .checks import captures_in_range, check_capture_indices, check_captures, check_qkv, check_storage
 from .errors import AttnccError
 from .log import logger
 from .spec import Spec
@@ -191,6 +191,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, captures: List[Tensor], rng: O
     """out (B, H, Lq, Dv) in q's dtype and float32 lse (B, H, Lq); inputs are checked by the caller,
     but for the captured tensors' sizes against this call's lengths, which are checked here."""
     compiled = lookup(variant)
+    check_inputs_stored(compiled.variant, q, k, v, captures)
     caps = compiled.variant.captures
     if len(caps) == len(captures) and all(c.tensor is t for c, t in zip(caps, captures)):
         check_capture_indices(compiled.variant, q, k)  # it reads the sizes of the variant's own tensors
@@ -268,11 +269,22 @@ def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training:
     if torch.compiler.is_compiling():
         return torch.ops.attncc.attention.default(query, key, value, captures, rng, variant.ir_key, variant.scale,
                                                   dropout_p, variant.deterministic)
+    check_inputs_stored(variant, query, key, value, captures)
     check_capture_indices(variant, query, key)
     launch = _launch(compiled, query, key, value, captures, rng, variant.scale, dropout_p, variant.deterministic)
     if needs_grad((query, key, value, *captures)):
         return AttentionFunction.apply(query, key, value, launch, *captures)
     return run_forward(launch, query, key, value, captures)  # nothing to differentiate: no autograd node
+
+
+_QKV = ("query", "key", "value")
+
+
+def check_inputs_stored(variant, query, key, value, captures) -> None:
+    """AttnccError naming the input or captured tensor whose storage was freed (check_storage)."""
+    check_storage((query, key, value), _QKV.__getitem__)
+    if captures:
+        check_storage(captures, lambda i: f"captured tensor {variant.captures[i]!r}")
 
 
 def needs_grad(tensors) -> bool:

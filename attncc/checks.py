@@ -25,7 +25,8 @@ MAX_HEAD_DIM = 256
 def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM) -> int:
     """Validate query/key/value; return the GQA group size Hq // Hkv."""
     # valid inputs pass one expression (host time per call); anything else gets its message below
-    if type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4:
+    if (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4
+            and q.layout is k.layout is v.layout is torch.strided):
         (B, Hq, _, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
         if (q.dtype in dtypes and q.dtype == k.dtype == v.dtype and B == Bk == Bv and Hkv == Hv and Lk == Lv
                 and D == Dk and 0 < D <= max_head_dim and 0 < Dv <= max_head_dim and Hkv and not Hq % Hkv
@@ -34,6 +35,7 @@ def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES, max_head_dim=MAX_HEAD_DI
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise AttnccError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_layout(name, t)
         if t.dim() != 4:
             raise AttnccError(
                 f"{name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}; "
@@ -66,6 +68,14 @@ def check_qkv(q, k, v, enable_gqa: bool, dtypes=DTYPES, max_head_dim=MAX_HEAD_DI
     return Hq // Hkv
 
 
+def check_layout(name: str, t: torch.Tensor) -> None:
+    """An input must be a dense (strided) tensor: the kernels read it in place through its
+    strides; sparse and MKL-DNN layouts have none."""
+    if t.layout != torch.strided:
+        raise AttnccError(f"{name} has layout {t.layout}; attncc reads dense tensors through their strides: "
+                          f"pass {name}.to_dense()")
+
+
 def check_captures(captures, device: torch.device) -> None:
     """Captured tensors must live on the inputs' device and be dense (the kernels read them in
     place through their strides). Their dtypes were checked when the mod was traced."""
@@ -78,6 +88,20 @@ def check_captures(captures, device: torch.device) -> None:
         if t.layout != torch.strided:
             raise AttnccError(f"captured tensor {c!r} has layout {t.layout}; the kernels read dense tensors: "
                               "capture t.to_dense() instead")
+
+
+def check_storage(tensors, name) -> None:
+    """Every tensor the kernels read must still have its storage: one freed in place
+    (``t.untyped_storage().resize_(0)``, as FSDP does between uses) keeps its shape but points
+    nowhere, and a kernel reading it returns garbage or crashes. ``name(i)`` names tensors[i]
+    in the error. A loop of cheap reads (host time per call)."""
+    for i, t in enumerate(tensors):
+        if not t.untyped_storage().nbytes() and t.numel():
+            raise AttnccError(
+                f"{name(i)} (shape {tuple(t.shape)}) has no storage: it was freed in place (untyped_storage()."
+                "resize_(0), as FSDP does with parameters between uses). Call attncc while the tensor holds "
+                "its data (inside FSDP's forward / after it gathers the parameters), or pass a tensor that owns "
+                "its memory")
 
 
 _LENGTHS = {"b": "B", "h": "Hq", "q_idx": "Lq", "kv_idx": "Lkv"}

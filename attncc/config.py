@@ -29,6 +29,15 @@ def cache_dir() -> Path:
     return Path(base) / "attncc"
 
 
+def override_dir() -> Path | None:
+    """$ATTNCC_OVERRIDE_DIR: a folder of edited kernel files. A file there named like a generated
+    one (``fwd_<key>.py``, listed by ``attncc cache list``) runs in its place, unverified; the
+    folder and the file must be yours and not writable by group or others. Read when a kernel
+    file is loaded (attncc.cache.kernel_source)."""
+    where = _env("ATTNCC_OVERRIDE_DIR")
+    return Path(where).expanduser() if where else None
+
+
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -114,14 +123,56 @@ def _descriptor_mode(var: str) -> str:
     return mode
 
 
+TILED_FUNCTIONS = ("attn_fwd", "attn_fwd_short", "attn_fwd_ws", "attn_bwd_dkdv", "attn_bwd_dq",
+                   "attn_bwd_preprocess", "attn_kv", "attn_kv_decode")
+_tile_overrides: dict = {}  # ATTNCC_TILES text -> its parsed value (every call reads the knob)
+
+
 def tile_overrides() -> dict:
     """$ATTNCC_TILES='{"attn_fwd": [128, 64, 8, 3]}': (block_m, block_n, num_warps, num_stages)
     per kernel function, replacing attncc's choice (for tuning experiments). The backward is one
     launch: it takes num_warps and num_stages from attn_bwd_dkdv, and only block_m / block_n
-    from attn_bwd_dq."""
-    import json
+    from attn_bwd_dq. A JSON object naming kernel functions (TILED_FUNCTIONS); block_m and
+    block_n powers of two from 16, num_warps a power of two up to 32, num_stages from 1.
+    Anything else raises AttnccError, as the other knobs' bad values do."""
     text = _env("ATTNCC_TILES", "")
-    return {k: tuple(v) for k, v in json.loads(text).items()} if text else {}
+    if not text:
+        return {}
+    parsed = _tile_overrides.get(text)
+    if parsed is None:
+        parsed = _parse_tiles(text)
+        if len(_tile_overrides) >= 64:
+            _tile_overrides.clear()
+        _tile_overrides[text] = parsed
+    return parsed
+
+
+def _parse_tiles(text: str) -> dict:
+    import json
+
+    from .errors import AttnccError
+    form = ("use a JSON object of kernel function -> [block_m, block_n, num_warps, num_stages], e.g. "
+            "ATTNCC_TILES='{\"attn_fwd\": [128, 64, 8, 3]}', or unset it for attncc's table")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise AttnccError(f"ATTNCC_TILES={text!r} is not valid JSON ({e}); {form}") from None
+    if not isinstance(data, dict):
+        raise AttnccError(f"ATTNCC_TILES={text!r} is not a JSON object; {form}")
+    out = {}
+    for fn, tiles in data.items():
+        if fn not in TILED_FUNCTIONS:
+            raise AttnccError(f"ATTNCC_TILES={text!r} names {fn!r}, which is not a kernel function; "
+                              f"use {', '.join(TILED_FUNCTIONS)}")
+        ok = (isinstance(tiles, list) and len(tiles) == 4 and all(type(x) is int and x > 0 for x in tiles)
+              and all(x >= 16 and x & (x - 1) == 0 for x in tiles[:2])
+              and tiles[2] <= 32 and tiles[2] & (tiles[2] - 1) == 0)
+        if not ok:
+            raise AttnccError(f"ATTNCC_TILES={text!r}: {fn} has {json.dumps(tiles)}; give [block_m, block_n, "
+                              "num_warps, num_stages] with block_m and block_n powers of two from 16, num_warps "
+                              "a power of two up to 32 and num_stages from 1, e.g. [128, 64, 8, 3]")
+        out[fn] = tuple(tiles)
+    return out
 
 
 def autotune() -> bool:

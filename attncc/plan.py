@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import sympy as sp
@@ -182,16 +183,22 @@ class KernelPlan:
 LOG2E = sp.Float(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 
 
-def _label(cap, i) -> str:
-    """A readable Python name for a capture's loads in generated code."""
+SAFE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
+def comment_name(cap) -> str | None:
+    """A captured tensor's Python name where generated files show it (comments and the module
+    docstring only: code names it cap<i>): a plain identifier of at most 40 characters, else
+    None. A name set through attncc.ir can be any text; only this form is inert there."""
     name = getattr(cap, "name", None)
-    return name if name and name.isidentifier() and not name.startswith("cap") and len(name) < 24 else f"cap{i}_"
+    return name if isinstance(name, str) and SAFE_NAME.fullmatch(name) else None
 
 
 def _describe(i, ndim, kind, cap, facts, in_range) -> str:
     users = [n for n, caps in (("score_mod", facts.captures_in_score), ("mask_mod", facts.captures_in_mask))
              if i in caps]
-    label = f"`{cap.name}` " if cap is not None and cap.name else ""
+    name = comment_name(cap)
+    label = f"`{name}` " if name else ""
     inside = ", every index inside it at the call's lengths (no bounds masks)" if in_range else ""
     return f"{label}{kind} tensor, {ndim}-d, read by {' and '.join(users) or 'nothing'}{inside}"
 
@@ -236,8 +243,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     f = analysis.facts
     score = None if f.score_identity else analysis.score
     keep = None if f.mask_trivial else analysis.mask
-    labels = [_label(captures[i] if i < len(captures) else None, i) for i in range(len(analysis.captures))]
-    cap_info = tuple((nd, kind, labels[i], i in spec.in_range) for i, (nd, kind) in enumerate(analysis.captures))
+    cap_info = tuple((nd, kind, i in spec.in_range) for i, (nd, kind) in enumerate(analysis.captures))
     # The backward and decode kernels take an additive bias in log2 units over float positions
     # (s = q.k * scale * log2(e) + bias). Same-run A/B on an H200 (bf16, ALiBi-causal, against
     # the score_mod form with integer positions): backward 2.02 -> 1.97 ms at 4x16x4096x128

@@ -13,6 +13,7 @@ loop-invariant work (``slopes[h]``, ``doc_ids[q_idx]``) is hoisted out of the lo
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import sympy as sp
@@ -22,13 +23,20 @@ from sympy.printing.str import StrPrinter
 
 from .passes import symbolic as S
 
+# The temporaries ``emit`` assigns besides the outputs' labels (which the templates read): cse
+# temporaries, hoisted invariants, capture loads, float twins of the positions. None comes from
+# the user (a capture's Python name reaches generated files in comments only: plan.comment_name),
+# and no template names a variable of this form (tests/test_codegen_names.py), so mod code and
+# kernel code never collide.
+TEMP_NAMES = re.compile(r"t\d+|inv\d+|cap\d+_\d+|q_idx_f|kv_idx_f")
+
 
 class TritonPrinter(StrPrinter):
     """Prints sympy expressions as Triton (triton.language as tl) expressions."""
 
     def __init__(self, captures: tuple = (), interpreter: bool = False):
         super().__init__({"full_prec": True})
-        self.captures = captures  # (ndim, kind, label, in_range) per capture number
+        self.captures = captures  # (ndim, kind, in_range) per capture number
         # Triton's interpreter turns `scalar_bool & tensor_bool` into int32 (and then rejects it
         # as a load mask): for that target, conjunctions are compared back to bool.
         self.interpreter = interpreter
@@ -88,7 +96,9 @@ class TritonPrinter(StrPrinter):
         return f"(({self._print(e.args[0])}) / ({self._print(e.args[1])}))"
 
     def _print_floordiv(self, e):
-        return self._call("_floor_div", *e.args)
+        # integer a // 0 is 0 (attncc.variant.Variant); the guard is left out where sympy proves
+        # the divisor non-zero (a constant, kv_idx + 1)
+        return self._call("_floor_div" if e.args[1].is_zero is False else "_floor_div_or_0", *e.args)
 
     def _print_exp(self, e):
         return self._fcall("tl.exp", e.args[0])
@@ -119,8 +129,8 @@ class TritonPrinter(StrPrinter):
 
     def _print_Mod(self, e):
         a, m = e.args
-        if a.is_integer and m.is_integer:
-            return self._call("_floor_mod", a, m)
+        if a.is_integer and m.is_integer:  # a % 0 is a, guarded as in _print_floordiv
+            return self._call("_floor_mod" if m.is_zero is False else "_floor_mod_or_a", a, m)
         return f"({self._print(a)} - {self.parenthesize(m, 50)} * tl.floor({self._print(a)} / {self.parenthesize(m, 50)}))"
 
     def _minmax(self, fn, args):
@@ -191,10 +201,10 @@ class TritonPrinter(StrPrinter):
     def in_range(self, n: int) -> bool:
         """Whether every index of captured tensor ``n`` stays inside it (checked on the host):
         its loads need no bounds mask."""
-        return self.captures[n][3]
+        return self.captures[n][2]
 
     def _load(self, n, index):
-        ndim, kind, _, in_range = self.captures[n]
+        ndim, kind, in_range = self.captures[n]
         cap = f"cap{n}"
         convert = ".to(tl.float32)" if kind == "float" else ".to(tl.int32)"
         if not index:
@@ -283,8 +293,8 @@ def _position_sum(e) -> bool:
 def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False) -> ModCode:
     """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
-    Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a named
-    temporary (``slopes0``); maximal subexpressions that do not read ``loop_symbols`` (kv_idx
+    Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a
+    temporary ``cap<n>_<k>``; maximal subexpressions that do not read ``loop_symbols`` (kv_idx
     in the forward) or the score are hoisted before the tile loop (``inv<k>``)."""
     printer = TritonPrinter(captures, interpreter)
     labels = [label for label, _ in outputs]
@@ -321,7 +331,7 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
         if any(x is not y for x, y in zip(args, e.args)):
             e = e.func(*args)
         if isinstance(e, AppliedUndef) and e.func.__name__.startswith("cap"):
-            return name(captures[int(e.func.__name__[3:])][2], e, invariant)
+            return name(f"{e.func.__name__}_", e, invariant)  # never the user's name (see TEMP_NAMES)
         if invariant and not parent_invariant and sp.count_ops(e) > 1 and not isinstance(e, ExprCondPair):
             return name("inv", e, True)
         return e

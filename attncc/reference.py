@@ -19,9 +19,27 @@ _UNARY = {
     "log2": torch.log2, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt,
     "rsqrt": torch.rsqrt,
 }
+
+
+def _floordiv(a, b):
+    """a // b rounding toward -inf, with a // 0 = 0 on integers (attncc.variant.Variant)."""
+    if a.is_floating_point():
+        return torch.div(a, b, rounding_mode="floor")
+    zero = b == 0
+    return torch.where(zero, 0, torch.div(a, torch.where(zero, 1, b), rounding_mode="floor"))
+
+
+def _mod(a, b):
+    """torch.remainder (the sign of the divisor), with a % 0 = a on integers."""
+    if a.is_floating_point():
+        return torch.remainder(a, b)
+    zero = b == 0
+    return torch.where(zero, a, torch.remainder(a, torch.where(zero, 1, b)))
+
+
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.div,
-    "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"), "mod": torch.remainder,
+    "floordiv": _floordiv, "mod": _mod,
     "pow": torch.pow, "minimum": torch.minimum, "maximum": torch.maximum,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
 }
@@ -110,9 +128,10 @@ def attention_variant(variant: Variant, query, key, value, *, enable_gqa=False, 
         keep = evaluate(variant.mask_ir, env, dtype, dev).expand(B, H, Lq, Lkv)
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, 0.0).unsqueeze(-1))
-    p = torch.where(finite.unsqueeze(-1), p, 0.0)
+    # rows with every key masked out (lse = -inf) give 0; a NaN score gives a NaN row, as in SDPA
+    masked = torch.isneginf(lse).unsqueeze(-1)
+    p = torch.exp(s - torch.where(masked, 0.0, lse.unsqueeze(-1)))
+    p = torch.where(masked, 0.0, p)
     if dropout_mask is not None:
         p = torch.where(dropout_mask.to(p.device), p / (1.0 - variant.dropout_p), 0.0)
     out = (p @ v).to(query.dtype)

@@ -12,6 +12,9 @@ JSON file per GPU in the kernel cache folder, so that later calls and processes 
     check      a candidate's outputs must match the table's outputs on the same inputs within
                the dtype's tolerance; one that disagrees, fails to compile or runs out of shared
                memory is logged and dropped, never chosen
+    file       an entry is used only when its choice is one of the candidates the tuner has for
+               that kernel (valid_choice); any other (a file edited by hand or damaged) is logged
+               and the call runs the table; a file that does not parse is measured again
 
 A kernel call has no side effects on its inputs (outputs and gradient buffers are allocated per
 call), so candidates run on the caller's tensors as they are. The timing is Triton's do_bench
@@ -23,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import reprlib
 import time
 from pathlib import Path
 
@@ -100,13 +104,17 @@ def _lookup_or_tune(compiled, kernel, spec, run, cls, device):
     key = _entry_key(kernel, compiled.variant.ir_key, spec, cls)
     entry = _table(path).get(key)
     if entry is not None:
-        try:
-            chosen = apply(spec, entry["choice"])
-            stats["file_hits"] += 1
-            logger.debug("autotune: %s of %s from %s: %s", kernel, compiled.variant, path, entry["choice"])
-            return chosen
-        except (KeyError, TypeError, ValueError) as e:
-            logger.warning("autotune: ignoring a malformed entry of %s (%s); tuning again", path, e)
+        default = compiled.module(kernel, spec)
+        choice = valid_choice(entry, kernel, spec, default)
+        if choice is None:
+            logger.warning("autotune: ignoring entry %s of %s: %s is none of the tuner's candidates for %s of %s "
+                           "(%s); running attncc's table. Delete the entry or the file to tune again",
+                           key, path, reprlib.repr(entry.get("choice") if isinstance(entry, dict) else entry),
+                           kernel, compiled.variant, "; ".join(map(str, candidates(kernel, spec, default))))
+            return spec
+        stats["file_hits"] += 1
+        logger.debug("autotune: %s of %s from %s: %s", kernel, compiled.variant, path, choice)
+        return apply(spec, choice)
     try:
         entry = measure(compiled, kernel, spec, run, candidates(kernel, spec, compiled.module(kernel, spec)))
     except Exception as e:  # triton's OutOfResources (imported lazily): with_fallback shrinks the tiles
@@ -130,6 +138,22 @@ def apply(spec, choice: dict):
     if any(m not in ("on", "off", "auto") for m in extra.values()):
         raise ValueError(f"tma / ws must be on, off or auto: {choice}")
     return dataclasses.replace(spec, tiles=tiles, **extra) if tiles or extra else spec
+
+
+def valid_choice(entry, kernel: str, spec, default) -> dict | None:
+    """The candidate (``candidates``) that a tuning file's entry chose, None when the entry
+    chose nothing the tuner could have chosen for this kernel: a file edited by hand or damaged
+    (a negative or zero tile, a tile that is no power of two, null) never reaches a kernel."""
+    if not isinstance(entry, dict):
+        return None
+    try:
+        text = json.dumps(entry.get("choice"), sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    for c in candidates(kernel, spec, default):
+        if json.dumps(c, sort_keys=True) == text:  # exact: 64.0 or true in place of 64 or 1 differ
+            return c
+    return None
 
 
 def candidates(kernel: str, spec, default) -> list:
@@ -246,8 +270,9 @@ def _read(path: Path) -> dict:
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             raise ValueError("no 'entries' object")
         return data["entries"]
-    except (OSError, ValueError) as e:
-        logger.warning("autotune: cannot read %s (%s); its entries are measured again", path, e)
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        logger.warning("autotune: cannot read %s (%s: %s); its entries are measured again", path,
+                       type(e).__name__, e)
         return {}
 
 

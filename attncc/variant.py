@@ -60,9 +60,9 @@ def _simplified(root: ir.Node, capture_index: dict) -> sp.Basic:
         return sp.zoo
 
 
-def _divides_by_zero(e) -> bool:
-    """The simplified expression holds a division by zero: 1/0 (zoo), 0/0 (nan) or an integer
-    division or remainder by 0 that sympy keeps whole."""
+def _undefined(e) -> bool:
+    """The simplified expression holds a value that is undefined for every score: 1/0 (zoo),
+    0/0 or inf * 0 (nan), or an integer division or remainder by 0 that sympy keeps whole."""
     import sympy as sp
 
     from .passes import symbolic
@@ -73,6 +73,24 @@ def _divides_by_zero(e) -> bool:
     if e.has(sp.zoo, sp.nan):
         return True
     return any(n.args[1] == 0 for n in e.atoms(symbolic.floordiv, symbolic.intdiv, sp.Mod))
+
+
+def _undefined_message(kind: str, root: ir.Node, capture_index: dict) -> str:
+    """What makes ``root`` undefined, named at its innermost undefined node, and the fix."""
+    culprit = next((n for n in ir.walk(root) if _undefined(_simplified(n, capture_index))), root)
+    text = ir.to_text(culprit)
+    if culprit.op in ("truediv", "floordiv", "mod"):
+        return (f"{kind} divides by an expression that is always 0: {text} in {ir.to_text(root)}; a mod must "
+                "divide by non-zero values")
+    if culprit.op == "mul":
+        return (f"{kind} multiplies infinity by an expression that is always 0: {text} in {ir.to_text(root)}; "
+                "inf * 0 is NaN (in torch too). To set scores to -inf where a condition holds, select them: "
+                "torch.where(condition, float('-inf'), score)")
+    if culprit.op in ("add", "sub"):
+        return (f"{kind} adds infinities of opposite signs: {text} in {ir.to_text(root)}; inf - inf is NaN "
+                "(in torch too). Select the value you mean with torch.where")
+    return (f"{kind} has no defined value for any score at {text} in {ir.to_text(root)}; select a defined "
+            "value with torch.where")
 
 
 def _name_of(fn) -> str | None:
@@ -92,6 +110,12 @@ class Variant:
     turns it off), rounded to a multiple of 1/256 (``check_dropout``); ``deterministic=True``
     makes gradients bitwise reproducible (the default dQ kernel already is; it forbids the
     atomic dQ path).
+
+    Integer ``//`` and ``%`` round toward -inf, as in torch and Python. A divisor that is 0 for
+    some positions (``q_idx % (kv_idx - q_idx)`` on the diagonal) gives ``x // 0 == 0`` and
+    ``x % 0 == x`` there, where torch raises on CPU: one rule that the kernels apply on every
+    score for a compare and a select, that the reference (attncc.reference) shares, and that
+    keeps ``x == (x // y) * y + x % y``. A divisor that is always 0 is refused (AttnccError).
 
     Construction traces the mods and checks everything that needs no inputs: the mods' arity,
     return types and the operations they use (AttnccError, ModTraceError for Python control flow
@@ -144,9 +168,8 @@ class Variant:
         score = _simplified(self.score_ir, index)
         mask = sp.true if self.mask_ir is None else _simplified(self.mask_ir, index)
         for kind, e, src in (("score_mod", score, self.score_ir), ("mask_mod", mask, self.mask_ir)):
-            if src is not None and _divides_by_zero(e):
-                raise AttnccError(f"{kind} divides by an expression that is always 0: {ir.to_text(src)}; "
-                                  "a mod must divide by non-zero values")
+            if src is not None and _undefined(e):
+                raise AttnccError(_undefined_message(kind, src, index))
         caps = tuple((c.ndim, c.kind) for c in self.captures)
         key = f"score={symbolic.canonical(score)}|mask={symbolic.canonical(mask)}|caps={caps}"
         result = Analysis(score, mask, facts_pass.derive(score, mask), caps, key)

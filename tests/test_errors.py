@@ -700,3 +700,147 @@ def test_knobs_follow_the_environment(monkeypatch):
     monkeypatch.setenv("ATTNCC_TMA", "sometimes")
     with pytest.raises(attncc.AttnccError, match="ATTNCC_TMA='sometimes' is not one of auto, on, off"):
         config.tma()
+
+
+# ----------------------------------------------------------------------------------------------
+# Hardening: sparse inputs, ATTNCC_TILES, undefined values, integer division by zero, NaN rows
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_sparse_inputs(which, layout):
+    args = dict(zip(("query", "key", "value"), qkv()))
+    args[which] = args[which].to_sparse() if layout == "sparse_coo" else args[which].to_sparse_csr()
+    for fn in (attncc.attention, attncc.reference.attention):
+        match = rf"{which} has layout torch.{layout}; .*pass {which}\.to_dense\(\)"
+        with pytest.raises(attncc.AttnccError, match=match):
+            fn(args["query"], args["key"], args["value"])
+
+
+@pytest.mark.parametrize("value,shown", [
+    ("{", r"is not valid JSON"),
+    ("[128, 64, 8, 3]", r"is not a JSON object"),
+    ('{"attn_fw": [128, 64, 8, 3]}', r"names 'attn_fw', which is not a kernel function; use attn_fwd, "),
+    ('{"attn_fwd": [128, 64]}', r"attn_fwd has \[128, 64\]; give \[block_m, block_n, num_warps, num_stages\]"),
+    ('{"attn_fwd": [48, 64, 4, 3]}', r"attn_fwd has \[48, 64, 4, 3\]; .*powers of two from 16"),
+    ('{"attn_fwd": [128, 64, 8, 0]}', r"attn_fwd has \[128, 64, 8, 0\]"),
+    ('{"attn_fwd": [128, 64, 8.0, 3]}', r"attn_fwd has \[128, 64, 8.0, 3\]"),
+    ('{"attn_fwd": null}', r"attn_fwd has null"),
+])
+def test_malformed_tiles_knob(monkeypatch, value, shown):
+    """ATTNCC_TILES is checked as the other knobs are: a bad value raises AttnccError naming the
+    variable, the value and the expected form, on every call (not a raw JSONDecodeError)."""
+    q, k, v = qkv()
+    monkeypatch.setenv("ATTNCC_TILES", value)
+    for _ in range(2):
+        with pytest.raises(attncc.AttnccError, match=r"ATTNCC_TILES=.*" + shown) as info:
+            attncc.attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+        assert repr(value) in str(info.value) and "[128, 64, 8, 3]" in str(info.value)
+
+
+def test_tiles_knob_parses_valid_values(monkeypatch):
+    from attncc import config
+    monkeypatch.setenv("ATTNCC_TILES", '{"attn_fwd": [128, 64, 8, 3], "attn_bwd_dq": [64, 32, 4, 2]}')
+    assert config.tile_overrides() == {"attn_fwd": (128, 64, 8, 3), "attn_bwd_dq": (64, 32, 4, 2)}
+    monkeypatch.setenv("ATTNCC_TILES", "")
+    assert config.tile_overrides() == {}
+
+
+def test_infinity_times_zero_is_not_called_a_division():
+    """inf * 0 is NaN for every score (in torch too): the message names the product and the fix."""
+    inf = float("inf")
+    with pytest.raises(attncc.AttnccError) as info:
+        attncc.Variant(lambda score, b, h, q_idx, kv_idx: score - inf * (q_idx < 0).float()).analysis
+    msg = str(info.value)
+    assert msg.startswith("score_mod multiplies infinity by an expression that is always 0: "
+                          "(inf * float((q_idx < 0)))")
+    assert "inf * 0 is NaN" in msg and "torch.where(condition, float('-inf'), score)" in msg
+    assert "divides" not in msg
+
+
+def _int_div_mods():
+    """% and // whose divisor kv_idx - q_idx is 0 on the diagonal."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + 0.25 * (q_idx % (kv_idx - q_idx)).float() - 0.5 * (q_idx // (kv_idx - q_idx)).float()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx // (q_idx - kv_idx) <= 0) | (q_idx % (q_idx - kv_idx) == 0)
+    return score_mod, mask_mod
+
+
+def test_integer_division_by_zero_is_defined():
+    """On integers x // 0 == 0 and x % 0 == x (Variant's docstring): the reference evaluates
+    that (torch itself raises on CPU), and the kernels agree, forward and backward."""
+    from attncc.reference import evaluate
+    L = 12
+    qi, ki = torch.arange(L).view(L, 1), torch.arange(L).view(1, L)
+    env = {"q_idx": qi, "kv_idx": ki}
+    mod = evaluate(ir.q_idx % (ir.kv_idx - ir.q_idx), env, torch.float64, "cpu")
+    div = evaluate(ir.q_idx // (ir.kv_idx - ir.q_idx), env, torch.float64, "cpu")
+    for i in range(L):
+        for j in range(L):
+            assert mod[i, j] == (i % (j - i) if j != i else i)
+            assert div[i, j] == (i // (j - i) if j != i else 0)
+
+    score_mod, mask_mod = _int_div_mods()
+    torch.manual_seed(0)
+    q, k, v = (t.requires_grad_() for t in randn_qkv(1, 2, 2, 40, 40, 16))
+    out, _, _ = check(q, k, v, score_mod, mask_mod)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attncc.reference.attention(q64, k64, v64, score_mod, mask_mod)
+    for got, want in zip((q.grad, k.grad, v.grad), torch.autograd.grad(ref, (q64, k64, v64), dout.double())):
+        assert (got.double() - want).norm() / want.norm() < 1e-5
+
+    # GPU kernels guard only divisors that may be 0 (a GPU's integer division by 0 is undefined)
+    src = attncc.compile(attncc.Variant(score_mod, mask_mod)).source("fwd", dtype=torch.bfloat16, head_dim=64)
+    assert "_floor_mod_or_a(q_idx, " in src and "_floor_div_or_0(q_idx, " in src
+    src = attncc.compile(attncc.Variant(lambda score, b, h, q_idx, kv_idx: score + (q_idx // 5 + kv_idx % 7))).source(
+        "fwd", dtype=torch.bfloat16, head_dim=64)
+    assert "_floor_div(q_idx, 5)" in src and "_floor_mod(kv_idx, 7)" in src
+    assert "_floor_div_or_0(q_idx" not in src and "_floor_mod_or_a(kv_idx" not in src
+
+
+def test_reference_keeps_nan_rows():
+    """A NaN score gives a NaN row in the reference, as in the kernels and SDPA; a row with every
+    key masked out still gives 0 and lse -inf (attncc's convention)."""
+    torch.manual_seed(1)
+    q, k, v = randn_qkv(1, 2, 2, 10, 10, 16)
+    q[0, 1, 3, 5] = float("nan")
+    mask = lambda b, h, q_idx, kv_idx: q_idx != 6  # noqa: E731
+    ref, ref_lse = attncc.reference.attention(q.double(), k.double(), v.double(), None, mask, return_lse=True)
+    assert torch.isnan(ref[0, 1, 3]).all() and torch.isnan(ref_lse[0, 1, 3])
+    assert (ref[:, :, 6] == 0).all() and torch.isneginf(ref_lse[:, :, 6]).all()
+    rest = torch.ones(10, dtype=torch.bool)
+    rest[6] = False
+    assert torch.isfinite(ref[0, 0, rest]).all() and torch.isfinite(ref[0, 1, rest & (torch.arange(10) != 3)]).all()
+
+    out, lse = attncc.attention(q, k, v, mask_mod=mask, return_lse=True)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isnan(lse), torch.isnan(ref_lse))
+    finite = ~torch.isnan(ref)
+    assert torch.allclose(out.double()[finite], ref[finite], atol=1e-5)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert torch.isnan(sdpa[0, 1, 3]).all()
+
+
+@pytest.mark.parametrize("freed", ["table", "query", "value"])
+def test_tensor_with_freed_storage_is_refused(freed):
+    """A tensor whose storage was freed in place (as FSDP frees parameters between uses) keeps
+    its shape and would be read at address 0: refused, naming the tensor; once its storage is
+    back the same kernel runs and is right."""
+    torch.manual_seed(2)
+    table = torch.rand(2, 16)
+    q, k, v = randn_qkv(1, 2, 2, 16, 16, 16)
+    kernel = attncc.compile(attncc.Variant(lambda s, b, h, qi, ki: s + table[h, ki]))
+    kernel(q, k, v)  # generated and run once with every storage in place
+    tensor = {"table": table, "query": q, "value": v}[freed]
+    saved = tensor.clone()
+    tensor.untyped_storage().resize_(0)
+    with pytest.raises(attncc.AttnccError, match=f"{'captured tensor `?table' if freed == 'table' else freed}.*no storage"):
+        kernel(q, k, v)
+    tensor.untyped_storage().resize_(saved.numel() * saved.element_size())
+    tensor.copy_(saved)
+    check(q, k, v, lambda s, b, h, qi, ki: s + table[h, ki], kernel=kernel)

@@ -422,7 +422,7 @@ def test_alibi_bias_runs_in_log2_units_and_a_gathered_table_keeps_score_mod():
         assert "+ bias  # score_mod = score + bias, in log2 units" in alibi and "score = qk" not in alibi
         assert "(kv_idx_f - q_idx_f)" in alibi
     fwd = kernel.source("fwd", dtype=torch.float16, head_dim=64)  # keeps the score_mod form (plan.build)
-    assert "score_mod = score + " in fwd and "s = score_mod * 1.4426950408889634" in fwd
+    assert "score_mod = cap0_0*(kv_idx - q_idx) + score" in fwd and "s = score_mod * 1.4426950408889634" in fwd
     assert "+ bias" not in fwd and "q_idx_f" not in fwd and "kv_idx_f" not in fwd
     rel = attncc.compile(variant_of("rel_bias")).source("bwd", dtype=torch.float16, head_dim=64)
     assert "s = score_mod * 1.4426950408889634" in rel and "qk_scale + bias" not in rel

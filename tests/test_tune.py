@@ -277,3 +277,76 @@ def test_tuned_backward_with_a_learnable_capture(tuning):
     want = torch.autograd.grad(ref, (q64, k64, v64, t64), dout.double())
     for got, w in zip((q.grad, k.grad, v.grad, table.grad), want):
         assert rel_err(got, w) < 1e-4
+
+
+def _deep(n):
+    out = 64
+    for _ in range(n):
+        out = [out]
+    return out
+
+
+@pytest.mark.parametrize("choice", [
+    {"tiles": {"attn_fwd": [-32, 64, 1, 1]}},  # NaN and 1e30 in the output
+    None,
+    {"tiles": {"attn_fwd": [0, 64, 1, 1]}},
+    {"tiles": {"attn_fwd": [48, 64, 1, 1]}},
+    {"tiles": {"attn_fwd": [64, 64, 1, 1]}},  # a valid tile, but not one of the tuner's candidates
+    {"tiles": {"attn_fwd": [32.0, 64, 1, 1]}},
+    {"tiles": {"attn_fwd": [32, 64, True, True]}},
+    {"tiles": {"attn_bwd_dq": [32, 64, 1, 1]}},  # another kernel's function
+    {"tiles": {"attn_fwd": _deep(200)}},
+    {"tma": "on"},  # not a candidate of the interpreter
+    {"tiles": {"attn_fwd": [32, 64, 1, 1]}, "extra": 1},
+    "entry is a string",
+], ids=lambda c: repr(c)[:40])
+def test_entry_the_tuner_could_not_have_chosen_is_ignored(tuning, monkeypatch, caplog, choice):
+    """A tuning file entry is used only if it is one of the candidates the tuner has for that
+    kernel (tune.candidates); anything else is logged and the call runs attncc's table."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    attncc.attention(q, k, v, mask_mod=causal_mask)  # tunes: one entry in the file
+    path = tune.table_path("interpreter", q.device)
+    data = json.loads(path.read_text())
+    (key, entry), = data["entries"].items()
+    if choice == "entry is a string":
+        data["entries"][key] = choice
+    else:
+        entry["choice"] = choice
+    path.write_text(json.dumps(data))
+    tune._chosen.clear()  # as a new process
+    tune._tables.clear()
+    seen = _spy_tiles(monkeypatch)
+    want = reference(q, k, v, None, causal_mask)[0]
+    for _ in range(2):  # the bad entry stays in the file: every later call goes on as well
+        with caplog.at_level("WARNING", logger="attncc"):
+            out = attncc.attention(q, k, v, mask_mod=causal_mask)
+        assert rel_err(out, want) < 1e-5
+    assert f"ignoring entry {key} of {path}" in caplog.text and "running attncc's table" in caplog.text
+    assert tune.stats == {"tuned": 1, "file_hits": 0}
+    assert all(t["attn_fwd"] == (32, 32, 1, 1) for t in seen)  # the interpreter table's tiles
+
+
+def test_file_nested_too_deep_is_measured_again(tuning, caplog):
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    path = tune.table_path("interpreter", q.device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"format": 1, "entries": ' + "[" * 100000 + "]" * 100000 + "}")
+    with caplog.at_level("WARNING", logger="attncc"):
+        out = attncc.attention(q, k, v)
+    assert "cannot read" in caplog.text and "RecursionError" in caplog.text and tune.stats["tuned"] == 1
+    assert rel_err(out, reference(q, k, v)[0]) < 1e-5
+    assert len(json.loads(path.read_text())["entries"]) == 1  # rewritten whole
+
+
+def test_valid_choices_are_the_candidates():
+    class Module:
+        TMA, WARP_SPECIALIZED = True, False
+    spec = attncc.spec.Spec("bfloat16", 128, 128, 1, "cuda-sm90", tma="auto")
+    for kernel in ("fwd", "bwd"):
+        for c in tune.candidates(kernel, spec, Module):
+            assert tune.valid_choice({"choice": json.loads(json.dumps(c))}, kernel, spec, Module) == c
+    assert tune.valid_choice({"choice": {"tma": "off"}}, "fwd", spec, Module) == {"tma": "off"}
+    assert tune.valid_choice({"choice": {"tma": "on"}}, "fwd", spec, Module) is None  # the table's own way
+    assert tune.valid_choice({"choice": {"tiles": {"attn_fwd": [128, 128, 8, 2]}}}, "bwd", spec, Module) is None
+    assert tune.valid_choice({"choice": {"tiles": {"attn_fwd": [128, 128, 8, 2]}}}, "fwd", spec, Module) is not None

@@ -3,7 +3,8 @@
 SymPy's automatic canonicalisation (constant folding, sorted sums and products, x*1 -> x,
 Max(x, -oo) -> x, ...) is the simplifier; ``srepr`` of the result is the canonical hash, so
 ``score + bias`` and ``bias + score`` share one kernel. Value semantics follow torch: ``//``
-and ``%`` floor (sympy's floor and Mod do too), ``.long()`` truncates toward zero.
+and ``%`` floor (sympy's floor and Mod do too), ``.long()`` truncates toward zero; on integers
+``x // 0 == 0`` and ``x % 0 == x`` (``Mod``), where torch raises.
 
 Leaves become symbols (score real, indices non-negative integers); a captured tensor becomes
 an undefined function ``capN(index...)``; operations sympy lacks (exp2, log2, sigmoid, trunc,
@@ -57,6 +58,18 @@ class floordiv(sp.Function):
     def eval(cls, a, b):
         if a.is_Integer and b.is_Integer and b != 0:
             return sp.Integer(int(a) // int(b))
+
+
+class Mod(sp.Mod):
+    """Integer a % b whose divisor may be 0. attncc defines a % 0 = a and a // 0 = 0 (see
+    attncc.variant.Variant), so unlike sympy's Mod (undefined at 0) it is an integer for every
+    divisor, and the printer keeps it in integer arithmetic. sympy's rewrites of Mod (Mod(x + q,
+    q) = Mod(x, q), Mod(k*x, k*q) = k*Mod(x, q), ...) hold at q = 0 under that definition too.
+    It keeps the name Mod: printers pick their method by class name (TritonPrinter._print_Mod)."""
+
+    def _eval_is_integer(self):
+        a, b = self.args
+        return True if a.is_integer and b.is_integer else None
 
 
 class intdiv(sp.Function):
@@ -149,6 +162,8 @@ def to_sympy(root: ir.Node, capture_index: dict) -> sp.Basic:
             e = sp.Not(sp.Xor(*a)) if n.op == "eq" else sp.Xor(*a)
         elif n.op == "floordiv" and n.type == ir.INT:
             e = floordiv(*num)
+        elif n.op == "mod" and n.type == ir.INT and num[1].is_zero is not False:
+            e = Mod(*num)
         elif n.op == "truediv" and n.args[0].type != ir.FLOAT and n.args[1].type != ir.FLOAT:
             e = intdiv(*num)
         elif n.op in _BINARY:
