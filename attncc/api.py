@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 
 import torch
 
@@ -16,6 +17,7 @@ KERNELS = tuple(codegen.TEMPLATES)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # (variant IR key, kernel, spec) -> (source path, loaded module): shared by every CompiledAttention
 _loaded: dict = {}
+_generating = threading.RLock()  # held while a kernel is found or generated and loaded
 
 
 def _dtype_name(dtype) -> str:
@@ -67,24 +69,30 @@ class CompiledAttention:
                                    deterministic=bool(deterministic and learnable), tma="off", ws="off",
                                    positive_scale=True, tiles=())  # only the forward folds the scale
 
-    def _path_and_module(self, kernel: str, spec: Spec, load: bool = True):
+    def _path_and_module(self, kernel: str, spec: Spec):
+        """(kernel file, loaded module) of one kernel under a Spec: found in this process, else
+        loaded from the cache or generated (one thread at a time: each file is imported once)."""
         k = (self.variant.ir_key, kernel, spec)
         hit = _loaded.get(k)
-        # a source read (load=False) looks at the file again: `attncc cache clear` or a new
-        # ATTNCC_CACHE_DIR may have removed it; loaded modules stay valid in memory
-        stale = hit is not None and not load and not hit[0].is_file()
-        if hit is None or stale or (load and hit[1] is None):
-            v = self.variant
-            path = cache.lookup_alias(kernel, v.ir_key, spec)  # a warm process skips the sympy passes
-            if path is None:
-                path = cache.source_path(kernel, v.analysis.key, spec)
-                from . import plan  # sympy and the passes: only when a kernel is generated
-                path = cache.get_or_create(path, lambda: codegen.render(
-                    plan.build(kernel, v.analysis, spec, v.captures)))
-                cache.write_alias(kernel, v.ir_key, spec, path)
-            module = runtime.load(path, spec.target == "interpreter") if load else None
-            hit = _loaded[k] = (path, module)
+        if hit is None:
+            with _generating:
+                hit = _loaded.get(k)
+                if hit is None:
+                    path, text = self._source(kernel, spec)  # verified text: what runs, whatever the file does next
+                    hit = _loaded[k] = (path, runtime.load(path, spec.target == "interpreter", text))
         return hit
+
+    def _source(self, kernel: str, spec: Spec) -> tuple:
+        """(kernel file, its verified text) from the cache, generated first if missing."""
+        v = self.variant
+        found = cache.lookup_alias(kernel, v.ir_key, spec)  # a warm process skips the sympy passes
+        if found is None:
+            canonical = cache.source_path(kernel, v.analysis.key, spec)
+            from . import plan  # sympy and the passes: only when a kernel is generated
+            found = cache.kernel_source(canonical, lambda: codegen.render(
+                plan.build(kernel, v.analysis, spec, v.captures)))
+            cache.write_alias(kernel, v.ir_key, spec, canonical)
+        return found
 
     def __call__(self, query, key, value, enable_gqa: bool = False, return_lse: bool = False, *,
                  training: bool = True, generator=None):
@@ -133,8 +141,7 @@ class CompiledAttention:
         modes = ("off", "off") if sm(target) < 90 else (
             config.tma(), config.ws())
         spec = Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target, tma=modes[0], ws=modes[1])
-        path, _ = self._path_and_module(kernel, spec, load=False)
-        return path.read_text()
+        return self._source(kernel, spec)[1]
 
     def explain(self) -> str:
         """The IR, the simplified expressions and the derived facts, as text."""

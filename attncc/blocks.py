@@ -9,12 +9,14 @@ never visited.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 
 import torch
 
 FINE = 32  # divides every tile size attncc uses (32, 64, 128)
+_lock = threading.RLock()
 _cache: OrderedDict = OrderedDict()
 _CACHE_SIZE = 16
 
@@ -82,7 +84,8 @@ def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) ->
                 break
         else:
             return hit[2]
-    out = _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device)
+    with _lock:  # the tables' LRU order and the lists' eviction sweep are shared by threads
+        out = _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device)
     if len(_recent) >= _CACHE_SIZE:
         _recent.clear()
     _recent[key] = ([weakref.ref(c) for c in captures], versions, out)

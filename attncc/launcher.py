@@ -14,6 +14,8 @@ a key is first launched, not again. ``ATTNCC_DIRECT_LAUNCH=0`` makes every launc
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .log import logger
@@ -134,7 +136,29 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def wrap(module, direct: bool = True) -> None:
-    """Launch the kernels a generated module names in HOST_KERNELS through Launchers."""
+# Triton's interpreter keeps a launch's grid and program ids in process-wide state: two threads
+# interpreting at once read each other's (wrong results, `y >= grid_dim[1]`). Interpreted
+# launches take turns.
+INTERPRETER_LOCK = threading.RLock()
+
+
+class Serialised:
+    """Wraps one @triton.jit kernel of an interpreted module: ``Serialised(fn)[grid](*args)``
+    runs ``fn[grid](*args)`` holding INTERPRETER_LOCK."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            with INTERPRETER_LOCK:
+                return self.fn[grid](*args, **kwargs)
+        return run
+
+
+def wrap(module, direct: bool = True, interpret: bool = False) -> None:
+    """Launch the kernels a generated module names in HOST_KERNELS through Launchers (compiled)
+    or one at a time (interpreted)."""
     for name in getattr(module, "HOST_KERNELS", ()):
-        setattr(module, name, Launcher(getattr(module, name), direct))
+        fn = getattr(module, name)
+        setattr(module, name, Serialised(fn) if interpret else Launcher(fn, direct))

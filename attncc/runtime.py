@@ -1,10 +1,11 @@
 """Load generated kernel modules and launch them: compiled on CUDA, interpreted on CPU."""
 from __future__ import annotations
 
-import importlib.util
+import linecache
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -96,21 +97,35 @@ def _addressable(t: torch.Tensor) -> bool:
     return True
 
 
-def load(path: Path, interpret: bool):
-    """Import a generated module (once per process); @triton.jit becomes the interpreter if asked.
-    Compiled modules launch their HOST_KERNELS through attncc.launcher (on the inputs' GPU, with
-    less host time)."""
+def load(path: Path, interpret: bool, text: str | None = None):
+    """The generated module at ``path`` (once per process); @triton.jit becomes the interpreter
+    if asked. ``text`` is the file's content as attncc.cache verified it: exactly that text runs
+    (the file is not read again, so it may change or vanish meanwhile), and Triton reads the
+    kernels' source from it too (through linecache). Without ``text`` the file is read, for
+    callers that vouch for it. Compiled modules launch their HOST_KERNELS through
+    attncc.launcher (on the inputs' GPU, with less host time)."""
     key = (str(path), interpret)
     module = _modules.get(key)
     if module is None:
         start = time.perf_counter()
+        if text is None:
+            text = path.read_text()
         name = f"attncc_generated.{path.stem}{'_interp' if interpret else ''}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        # inspect.getsourcelines (Triton's @jit) finds the text here even if the file is gone; an
+        # entry without mtime is never checked against the file (linecache.checkcache)
+        linecache.cache[str(path)] = (len(text), None, text.splitlines(keepends=True), str(path))
         sys.modules[name] = module
-        spec.loader.exec_module(module)
-        if not interpret:
-            launcher.wrap(module, direct=config.direct_launch())
+        try:
+            exec(compile(text, str(path), "exec"), module.__dict__)
+        except Exception as e:
+            sys.modules.pop(name, None)
+            raise AttnccError(
+                f"the kernel file {path} does not load ({type(e).__name__}: {e}). If it is your edited copy "
+                "(ATTNCC_OVERRIDE_DIR), fix or remove it; else this is a bug in attncc, please report it with "
+                "the file") from e
+        launcher.wrap(module, direct=config.direct_launch(), interpret=interpret)
         _modules[key] = module
         logger.debug("loaded %s in %.1f ms", path.name, 1e3 * (time.perf_counter() - start))
     return module

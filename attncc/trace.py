@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 import torch
 
@@ -91,9 +92,16 @@ def _to(x, *args, **kwargs):
     return ir.cast(x, ir.FLOAT if dtype.is_floating_point else ir.INT)
 
 
-class _Tracing:
-    """What the current trace is doing: which mod, for error messages."""
-    mod = None
+class _Tracing(threading.local):
+    """What this thread's trace is doing: which mod (for error messages) and the Python names
+    under which it sees tensors (for explain and comments). Per thread: threads trace at once."""
+
+    def __init__(self):
+        self.mod = None
+        self.names: dict[int, str] = {}
+
+
+_tracing = _Tracing()
 
 
 def _user_line(frame=None) -> str:
@@ -110,7 +118,7 @@ def _user_line(frame=None) -> str:
 
 
 def _mod_name() -> str:
-    fn = _Tracing.mod
+    fn = _tracing.mod
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
@@ -166,11 +174,8 @@ def _wrap(x):
     return Proxy(x) if isinstance(x, ir.Node) else x
 
 
-_captured_names: dict[int, str] = {}
-
-
 def _capture(t: torch.Tensor) -> ir.Capture:
-    return ir.Capture(t, _captured_names.get(id(t)))
+    return ir.Capture(t, _tracing.names.get(id(t)))
 
 
 def _index(tensor: torch.Tensor, index):
@@ -335,16 +340,16 @@ def trace(fn, kind: str) -> ir.Node:
     if kind == "score_mod":
         leaves.insert(0, ir.score)
     _check_arity(fn, len(leaves), kind)
-    previous = _Tracing.mod
-    _Tracing.mod = fn
-    _captured_names.update(_name_captures(fn))
+    previous = _tracing.mod
+    _tracing.mod = fn
+    _tracing.names.update(_name_captures(fn))
     try:
         out = fn(*[Proxy(n) for n in leaves])
         _check_result(out, kind)
         node = _node(out)
     finally:
-        _Tracing.mod = previous
-        _captured_names.clear()
+        _tracing.mod = previous
+        _tracing.names.clear()
     return _checked(node, kind)
 
 

@@ -3,13 +3,18 @@ snapshot-style checks of what the generated source contains."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import attncc
@@ -217,53 +222,74 @@ def test_second_process_shares_the_session_cache(attncc_cache_dir):
     assert child["codegen"] == 0 and child["disk_hits"] >= 1 and child["err"] < 1e-5
 
 
-def test_edited_cached_source_is_what_runs(tmp_path):
-    """README: an edited copy of a generated kernel in the cache is what attncc runs."""
-    first = _run_subprocess(str(tmp_path))
-    (path,) = Path(first["folder"]).glob("fwd_*.py")
-    src = path.read_text()
-    line = "s = score_mod * 1.4426950408889634"
-    assert line in src, src
-    path.write_text(src.replace(line, line.replace("score_mod", "(score_mod * 0.0)")))
-    edited = _run_subprocess(str(tmp_path))
-    assert edited["codegen"] == 0
-    assert edited["err"] > 1e-2  # uniform causal weights now, far from the reference
-
-
 def _fake_triton(root: Path, calls: list):
-    """A stand-in for the triton package: a folder of files and runtime.cache.triton_key."""
+    """A stand-in for the triton package: a folder of files and runtime.cache.triton_key, whose
+    key has the form of Triton's (its version, then sha256 digests joined by '-')."""
     import functools
+    import hashlib
     import types
 
     @functools.lru_cache()
     def triton_key():
         calls.append(1)
-        return f"key-of-{(root / 'libtriton.so').read_text()}"
+        digests = [hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(root.iterdir())]
+        return "9.9.9" + "-".join(digests)
     cache_module = types.SimpleNamespace(triton_key=triton_key)
-    return types.SimpleNamespace(__file__=str(root / "__init__.py"),
+    return types.SimpleNamespace(__file__=str(root / "__init__.py"), __version__="9.9.9",
                                  runtime=types.SimpleNamespace(cache=cache_module))
 
 
-def test_triton_key_is_kept_until_tritons_files_change(attncc_cache_dir, tmp_path, monkeypatch):
-    from attncc import cache
+def _triton_files(tmp_path: Path) -> Path:
     root = tmp_path / "triton"
     root.mkdir()
     (root / "__init__.py").write_text("")
     (root / "libtriton.so").write_text("build 1")
-    calls = []
+    return root
 
-    def new_process():  # a fresh Triton import and a fresh attncc: nothing computed yet
-        monkeypatch.setattr(cache, "_triton_key_tried", False)
-        triton = _fake_triton(root, calls)
-        cache.remember_triton_key(triton)
-        return triton.runtime.cache.triton_key()
 
-    assert new_process() == "key-of-build 1" and len(calls) == 1  # computed once, then kept
-    assert new_process() == "key-of-build 1" and len(calls) == 1  # the next process reads it
+def _new_triton_process(monkeypatch, root: Path, calls: list) -> str:
+    """A fresh Triton import and a fresh attncc: nothing computed yet; Triton's key as it sees it."""
+    from attncc import cache
+    monkeypatch.setattr(cache, "_triton_key_tried", False)
+    triton = _fake_triton(root, calls)
+    cache.remember_triton_key(triton)
+    return triton.runtime.cache.triton_key()
+
+
+def test_triton_key_is_kept_until_tritons_files_change(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+    root, calls = _triton_files(tmp_path), []
+    key1 = _new_triton_process(monkeypatch, root, calls)
+    assert key1.startswith("9.9.9") and len(calls) == 1  # computed once, then kept
+    assert _new_triton_process(monkeypatch, root, calls) == key1 and len(calls) == 1  # the next process reads it
     (root / "libtriton.so").write_text("build 22")  # another Triton build: a new key
-    assert new_process() == "key-of-build 22" and len(calls) == 2
+    key22 = _new_triton_process(monkeypatch, root, calls)
+    assert key22 != key1 and len(calls) == 2
     monkeypatch.setenv("ATTNCC_TRITON_KEY", "0")
-    assert new_process() == "key-of-build 22" and len(calls) == 3  # off: Triton computes it
+    assert _new_triton_process(monkeypatch, root, calls) == key22 and len(calls) == 3  # off: Triton computes it
+
+
+@pytest.mark.parametrize("damage", ["garbage", "another Triton's", "owned by another user", "writable by others"])
+def test_a_kept_triton_key_is_used_only_when_it_is_this_users_and_has_its_form(damage, tmp_path, monkeypatch,
+                                                                                caplog):
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path / "cache"))
+    root, calls = _triton_files(tmp_path), []
+    key = _new_triton_process(monkeypatch, root, calls)
+    (kept,) = (attncc.cache.folder() / "triton_key").iterdir()
+    assert kept.read_text() == key
+    if damage == "garbage":
+        kept.write_text("9.9.9 x" * 3)
+    elif damage == "another Triton's":
+        kept.write_text(key.replace("9.9.9", "1.0.0"))
+    elif damage == "owned by another user":
+        os.chown(kept, NOBODY, NOBODY)
+    else:
+        kept.chmod(0o666)
+    caplog.set_level(logging.WARNING, logger="attncc")
+    assert _new_triton_process(monkeypatch, root, calls) == key and len(calls) == 2  # computed again
+    assert any(str(kept) in m for m in _warnings(caplog))
+    assert kept.read_text() == key and kept.stat().st_uid == os.getuid()  # and kept again
+    assert _new_triton_process(monkeypatch, root, calls) == key and len(calls) == 2
 
 
 def test_captures_in_range_rules(monkeypatch):
@@ -310,3 +336,291 @@ def test_loads_of_captures_in_range_have_no_bounds_masks():
     assert re.search(r"tl\.load\(cap0_ptr \+ [^\n]*\* cap0_stride1\)\.to\(tl\.float32\)", inside)
     assert "< cap0_size1" not in inside
     assert "every index inside it" not in ragged and ragged.count("< cap0_size1)") >= 2
+
+
+# ---------------------------------------------------------------- the cache runs only what attncc wrote
+
+NOBODY = 65534  # another user's uid (the tests run as root or as a user who may chown to it)
+
+
+def _probe(c: float):
+    """A causal variant with a bias no other test uses (``c`` differs per test)."""
+    return attncc.compile(attncc.Variant(lambda s, b, h, q_idx, kv_idx: s + c * (kv_idx - q_idx), causal_mask))
+
+
+def _new_process(monkeypatch):
+    """Forget the kernels this process loaded, as a new process would."""
+    monkeypatch.setattr(attncc.api, "_loaded", {})
+    monkeypatch.setattr(attncc.runtime, "_modules", {})
+
+
+def _private_cache(monkeypatch, root: Path) -> Path:
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(root))
+    _new_process(monkeypatch)
+    return root
+
+
+def _run(kernel) -> float:
+    """Run the kernel's forward on small inputs; its error against the float64 reference."""
+    torch.manual_seed(0)
+    q, k, v = randn_qkv(1, 2, 2, 24, 24, 16)
+    out = kernel(q, k, v)
+    ref = attncc.reference.attention(q.double(), k.double(), v.double(), kernel.variant.score_mod,
+                                     kernel.variant.mask_mod)
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _fwd_file() -> Path:
+    (path,) = attncc.cache.folder().glob("fwd_*.py")
+    return path
+
+
+def _evil(marker: Path) -> str:
+    return f"open({str(marker)!r}, 'w').write('ran')\n"
+
+
+def _plant(path: Path, text: str) -> None:
+    """Put ``text`` at ``path`` with the digest attncc would write beside it (someone who knows
+    the scheme and can write the folder)."""
+    path.write_text(text)
+    path.with_suffix(".sha256").write_text(attncc.cache._digest(path.name, text.encode()) + "\n")
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "attncc" and r.levelno == logging.WARNING]
+
+
+def _modes(top: Path) -> dict:
+    return {str(p): stat.S_IMODE(os.lstat(p).st_mode) for p in [top, *top.rglob("*")]}
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "edited", "no digest"])
+def test_a_damaged_kernel_file_is_reported_and_generated_again(damage, tmp_path, monkeypatch, caplog):
+    _private_cache(monkeypatch, tmp_path / "cache")
+    kernel = _probe(0.0101)
+    assert _run(kernel) < 1e-5
+    path, marker = _fwd_file(), tmp_path / "ran"
+    good = path.read_bytes()
+    path.write_bytes({"empty": b"", "truncated": good[:len(good) // 2], "garbage": bytes(range(256)) * 4,
+                      "edited": good + _evil(marker).encode(), "no digest": good + _evil(marker).encode()}[damage])
+    if damage == "no digest":
+        path.with_suffix(".sha256").unlink()
+    _new_process(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="attncc")
+    codegen = attncc.cache.stats["codegen"]
+    assert _run(kernel) < 1e-5 and not marker.exists()
+    assert attncc.cache.stats["codegen"] == codegen + 1 and path.read_bytes() == good
+    assert [m for m in _warnings(caplog) if m.startswith(f"kernel cache file {path} ")], caplog.text
+
+
+@pytest.mark.parametrize("target", ["absolute path", "parent folder", "not a .py file", "not a kernel name"])
+def test_an_alias_runs_only_a_kernel_file_of_its_folder(target, tmp_path, monkeypatch, caplog):
+    _private_cache(monkeypatch, tmp_path / "cache")
+    kernel = _probe(0.0202)
+    assert _run(kernel) < 1e-5
+    (alias,) = (attncc.cache.folder() / "aliases").iterdir()
+    real, marker = alias.read_text().strip(), tmp_path / "ran"
+    for evil in (tmp_path / "x" / "evil.py", tmp_path / "evil.py", attncc.cache.folder() / "notes.txt",
+                 attncc.cache.folder() / "evil.py"):
+        evil.parent.mkdir(exist_ok=True)
+        _plant(evil, _evil(marker))
+    alias.write_text({"absolute path": str(tmp_path / "x" / "evil.py"), "parent folder": "../../evil.py",
+                      "not a .py file": "notes.txt", "not a kernel name": "evil.py"}[target])
+    _new_process(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="attncc")
+    assert _run(kernel) < 1e-5 and not marker.exists()
+    assert [m for m in _warnings(caplog) if m.startswith(f"kernel cache alias {alias} names ")], caplog.text
+    assert alias.read_text().strip() == real  # written again
+
+
+def test_cache_folders_are_private_under_any_umask(tmp_path, monkeypatch):
+    _private_cache(monkeypatch, tmp_path / "made" / "cache")
+    umask = os.umask(0)
+    try:
+        assert _run(_probe(0.0303)) < 1e-5
+    finally:
+        os.umask(umask)
+    modes = _modes(tmp_path / "made")
+    assert {m for p, m in modes.items() if os.path.isdir(p)} == {0o700}, modes
+    assert {m for p, m in modes.items() if not os.path.isdir(p)} == {0o600}, modes
+
+
+def _other_users(path: Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
+
+
+UNSAFE = {  # how the cache dir (or a folder in it) comes to be someone else's: the refusal it gets
+    "cache dir of another user": (lambda root, real: _other_users(root), r"is owned by .*uid 65534"),
+    "cache dir writable by others": (lambda root, real: root.chmod(0o777), r"chmod go-w"),
+    "cache dir writable by its group": (lambda root, real: root.chmod(0o770), r"chmod go-w"),
+    "symlink to another user's folder": (lambda root, real: (root.rename(real), _other_users(real),
+                                                              root.symlink_to(real)), r"is owned by .*uid 65534"),
+    "symlink of another user": (lambda root, real: (root.rename(real), root.symlink_to(real),
+                                                     os.chown(root, NOBODY, NOBODY, follow_symlinks=False)),
+                                r"is a symbolic link owned by .*uid 65534"),
+    "version folder of another user": (lambda root, real: _other_users(attncc.cache.folder()),
+                                       r"is owned by .*uid 65534"),
+    "alias folder writable by others": (lambda root, real: (attncc.cache.folder() / "aliases").chmod(0o757),
+                                        r"chmod go-w"),
+    "a file, not a folder": (lambda root, real: (shutil.rmtree(root), root.write_text("")), r"is not a folder"),
+}
+
+
+@pytest.mark.parametrize("setup", list(UNSAFE))
+def test_a_cache_folder_others_can_write_is_refused(setup, tmp_path, monkeypatch):
+    """A kernel file planted, with its digest, by whoever else can write the folder never runs:
+    attncc names the folder and the fix instead."""
+    root = _private_cache(monkeypatch, tmp_path / "cache")
+    kernel = _probe(0.0404)
+    assert _run(kernel) < 1e-5
+    marker = tmp_path / "ran"
+    _plant(_fwd_file(), _evil(marker))
+    make_unsafe, refusal = UNSAFE[setup]
+    make_unsafe(root, tmp_path / "elsewhere")
+    _new_process(monkeypatch)
+    with pytest.raises(attncc.AttnccError, match=refusal) as info:
+        _run(kernel)
+    assert "ATTNCC_CACHE_DIR" in str(info.value) and not marker.exists()
+    if setup.startswith("cache dir") or setup.startswith("symlink"):
+        assert f"the folder {root} " in str(info.value)
+    with pytest.raises(attncc.AttnccError, match=refusal):
+        kernel.source("fwd", torch.float32, head_dim=16, target="interpreter")
+
+
+def test_a_symlink_to_a_folder_of_yours_is_used(tmp_path, monkeypatch):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    _private_cache(monkeypatch, tmp_path / "link")
+    assert _run(_probe(0.0505)) < 1e-5
+    assert list(real.glob("attncc-*/fwd_*.py"))
+
+
+@pytest.mark.parametrize("how", ["owned by another user", "writable by others", "a symlink"])
+def test_a_kernel_file_attncc_did_not_write_does_not_run(how, tmp_path, monkeypatch, caplog):
+    _private_cache(monkeypatch, tmp_path / "cache")
+    kernel = _probe(0.0606)
+    assert _run(kernel) < 1e-5
+    path, marker = _fwd_file(), tmp_path / "ran"
+    good = path.read_bytes()
+    _plant(path, _evil(marker))
+    if how == "owned by another user":
+        os.chown(path, NOBODY, NOBODY)
+    elif how == "writable by others":
+        path.chmod(0o666)
+    else:
+        path.rename(tmp_path / "evil.py")
+        path.symlink_to(tmp_path / "evil.py")
+    _new_process(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="attncc")
+    assert _run(kernel) < 1e-5 and not marker.exists()
+    assert [m for m in _warnings(caplog) if m.startswith(f"kernel cache file {path} ")], caplog.text
+    assert path.read_bytes() == good and not path.is_symlink() and path.stat().st_uid == os.getuid()
+
+
+def test_edited_kernels_run_from_the_override_dir_only(tmp_path, monkeypatch, caplog):
+    """An edited file in the cache is generated again; a copy in ATTNCC_OVERRIDE_DIR runs."""
+    _private_cache(monkeypatch, tmp_path / "cache")
+    kernel = _probe(0.0707)
+    assert _run(kernel) < 1e-5
+    path = _fwd_file()
+    line = "s = score_mod * 1.4426950408889634"
+    edited = path.read_text().replace(line, line.replace("score_mod", "(score_mod * 0.0)"))
+    assert line in path.read_text()
+    path.write_text(edited)
+    _new_process(monkeypatch)
+    assert _run(kernel) < 1e-5  # generated again
+    edits = tmp_path / "edits"
+    edits.mkdir(mode=0o700)
+    (edits / path.name).write_text(edited)
+    monkeypatch.setenv("ATTNCC_OVERRIDE_DIR", str(edits))
+    _new_process(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="attncc")
+    assert _run(kernel) > 1e-2  # uniform causal weights now, far from the reference
+    running = f"running {edits / path.name} in place of the generated {path.name} (ATTNCC_OVERRIDE_DIR)"
+    assert running in _warnings(caplog)
+    (edits / path.name).chmod(0o666)
+    _new_process(monkeypatch)
+    with pytest.raises(attncc.AttnccError, match=r"refusing the edited kernel .* writable by group or others"):
+        _run(kernel)
+    (edits / path.name).write_text("def attn_fwd(:\n")
+    (edits / path.name).chmod(0o600)
+    with pytest.raises(attncc.AttnccError, match=rf"the kernel file {re.escape(str(edits / path.name))} does not "
+                                                 r"load \(SyntaxError"):
+        _run(kernel)
+
+
+def test_a_kernel_file_removed_before_it_is_imported_still_runs(tmp_path, monkeypatch):
+    """A clear (another process's `attncc cache clear` or rm -rf) between writing a kernel file
+    and importing it: the verified text in memory runs, and Triton reads its source from it."""
+    _private_cache(monkeypatch, tmp_path / "cache")
+    write_alias = attncc.cache.write_alias
+
+    def then_clear(*args):
+        write_alias(*args)
+        shutil.rmtree(attncc.cache.folder())
+    monkeypatch.setattr(attncc.cache, "write_alias", then_clear)
+    assert _run(_probe(0.0808)) < 1e-5
+    assert attncc.cache.entries() == []
+
+
+_CLEARER = textwrap.dedent("""
+    import os, sys, time
+    import attncc.cache
+    ready, stop = sys.argv[1:]
+    open(ready, "w").close()
+    while not os.path.exists(stop):
+        attncc.cache.clear()
+        time.sleep(0.001)
+""")
+
+
+def test_generation_survives_a_concurrent_clear(tmp_path, monkeypatch):
+    """Another process clears the cache again and again while this one generates kernels: every
+    call succeeds, and the clearing process never trips over a file that vanished."""
+    _private_cache(monkeypatch, tmp_path / "cache")
+    ready, stop = tmp_path / "ready", tmp_path / "stop"
+    child = subprocess.Popen([sys.executable, "-c", _CLEARER, str(ready), str(stop)], stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists() and child.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        errors = [_run(_probe(0.1 + i / 1000)) for i in range(30)]
+    finally:
+        stop.touch()
+        _, stderr = child.communicate(timeout=60)
+    assert max(errors) < 1e-5
+    assert child.returncode == 0, stderr[-3000:]
+
+
+_CHURN = textwrap.dedent("""
+    import os, sys
+    folder, stop = sys.argv[1:]
+    while not os.path.exists(stop):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            for i in range(50):
+                p = os.path.join(folder, f"fwd_{i}.py.x{i}.tmp")
+                open(p, "w").close()
+                os.unlink(p)
+        except OSError:
+            pass
+""")
+
+
+def test_clear_tolerates_files_that_vanish(tmp_path, monkeypatch):
+    """`attncc cache clear` while writers create and rename temporary files."""
+    _private_cache(monkeypatch, tmp_path / "cache")
+    (tmp_path / "cache").mkdir(mode=0o700)
+    stop = tmp_path / "stop"
+    churn = subprocess.Popen([sys.executable, "-c", _CHURN, str(attncc.cache.folder()), str(stop)])
+    try:
+        deadline = time.time() + 3
+        while time.time() < deadline:
+            attncc.cache.clear()
+            attncc.cache.entries()
+    finally:
+        stop.touch()
+        churn.wait(timeout=60)
