@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from . import runtime
-from .autograd import needs_grad
+from .autograd import check_inputs_stored, needs_grad
 from .checks import DTYPES, check_capture_indices, check_captures, check_index_ranges, check_qkv
 from .errors import AttnccError
-from .kvcache import KV_LENS_CU, KV_LENS_FIXED, _Cache
+from .kvcache import KV_LENS_CU, KV_LENS_FIXED, _Cache, _count, cu_seqlens_lengths
 from .spec import Spec
 
 DECODE_MAX_Q = 16  # attncc.attention switches to the decode kernel up to this many queries ...
@@ -103,22 +103,32 @@ def _padded4(t: torch.Tensor, lead: int = 0) -> torch.Tensor:
     return t.transpose(lead + 1, lead + 2)
 
 
-def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None, kv_lens=None,
-        kv_mode=KV_LENS_FIXED, block_table=None, page_size=1, bottom_right=1, return_lse=False,
-        heads_last=True):
-    """Attention of a compiled variant through attn_kv. q: (B, Lq, H, D), packed (total, H, D), or
-    with heads_last=False (B, H, Lq, D); k4, v4: the kernel's 4-d key/value views."""
-    variant = compiled.variant  # inference: dropout never applies here
-    hq, d = (q.shape[-2], q.shape[-1]) if heads_last else (q.shape[1], q.shape[3])
-    hkv, dv = k4.shape[1], v4.shape[3]
+def _kernel_setup(compiled, dtype, device, hq: int, d: int, hkv: int, dv: int) -> tuple:
+    """(setup, scale) of a call with hq query heads of dim d over hkv K/V heads with values of
+    dim dv, after checking that the kernel takes them (before a KV cache changes)."""
     if not (1 <= d <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM_V):
         raise AttnccError(f"head dims {d} (query/key) and {dv} (value) must be at most {MAX_HEAD_DIM} and "
                           f"{MAX_HEAD_DIM_V} for the inference kernel (MLA's 576/512 fit)")
-    if hq % hkv:
+    if hkv == 0 or hq % hkv:
         raise AttnccError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    variant = compiled.variant
     scale = variant.scale if variant.scale is not None else 1.0 / math.sqrt(d)
-    s = _setup(compiled, q.dtype, d, dv, hq // hkv, q.device, scale > 0)
-    captures = [c.tensor for c in variant.captures]
+    return _setup(compiled, dtype, d, dv, hq // hkv, device, scale > 0), scale
+
+
+def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None, kv_lens=None,
+        kv_mode=KV_LENS_FIXED, block_table=None, page_size=1, bottom_right=1, return_lse=False,
+        heads_last=True, covered=None, setup=None):
+    """Attention of a compiled variant through attn_kv. q: (B, Lq, H, D), packed (total, H, D), or
+    with heads_last=False (B, H, Lq, D); k4, v4: the kernel's 4-d key/value views. max_q_len and
+    max_kv_len must be the true maxima (split-KV covers max_kv_len keys, no more). ``covered``:
+    packed rows that cu_q assigns to a sequence; the rows after them get 0 and lse -inf.
+    ``setup``: what _kernel_setup returned for this call, when the caller checked it already."""
+    hq, d = (q.shape[-2], q.shape[-1]) if heads_last else (q.shape[1], q.shape[3])
+    hkv, dv = k4.shape[1], v4.shape[3]
+    s, scale = setup or _kernel_setup(compiled, q.dtype, q.device, hq, d, hkv, dv)
+    captures = [c.tensor for c in compiled.variant.captures]  # inference: dropout never applies here
+    check_inputs_stored(compiled.variant, q, k4, v4, captures)
 
     out = q.new_empty(q.shape[:-1] + (dv,))
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -173,10 +183,13 @@ def run(compiled, q, k4, v4, *, batch, packed, max_q_len, max_kv_len, cu_q=None,
         s.module.merge(part_o.view(splits, -1, dv), part_lse.view(splits, -1), o_run.view(-1, dv), lse.view(-1))
     if o_run is not out:
         out.copy_(o_run)
+    if covered is not None and covered < out.shape[0]:  # padding after the last sequence: no kernel wrote it
+        out[covered:] = 0
+        lse[covered:] = float("-inf")
     return (out, lse) if return_lse else out
 
 
-def _check_q(q, packed: bool, cu_seqlens_q, name="query"):
+def _check_q(q, packed: bool, name="query"):
     if not isinstance(q, torch.Tensor):
         raise AttnccError(f"{name} must be a torch.Tensor, got {type(q).__name__}")
     if q.dtype not in DTYPES:
@@ -185,27 +198,35 @@ def _check_q(q, packed: bool, cu_seqlens_q, name="query"):
     if q.dim() != want:
         layout = "packed (total, heads, head_dim)" if packed else "(batch, q_len, heads, head_dim)"
         raise AttnccError(f"{name} must be {layout}{' with cu_seqlens_q' if packed else ''}, got shape {tuple(q.shape)}")
-    if packed and (not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1):
-        raise AttnccError("cu_seqlens_q must be a 1-d integer tensor of batch + 1 offsets")
 
 
 def _cu(cu: torch.Tensor, device, name: str, total: int):
-    """cu_seqlens as int32 on the device, plus its host copy (one sync, unless max lengths are given)."""
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise AttnccError(f"{name} must hold integers (int32), got {cu.dtype}")
-    host = cu.tolist()
-    lens = [b - a for a, b in zip(host, host[1:])]
-    if not host or host[0] != 0 or any(n < 0 for n in lens) or host[-1] > total:
-        raise AttnccError(f"{name} must rise from 0 to at most the {total} packed tokens, got {host}")
-    return cu.to(device=device, dtype=torch.int32), lens
+    """cu_seqlens checked, as contiguous int32 on the device, and its sequences' lengths (read on
+    the host: one sync for a CUDA tensor; the KV cache's append and the capture index checks
+    need them too)."""
+    lens = cu_seqlens_lengths(cu, name, total)
+    return cu.to(device=device, dtype=torch.int32).contiguous(), lens
+
+
+def _longest(lens: list, given, name: str) -> int:
+    """The longest of ``lens``, which the host holds. FlashAttention's ``max_seqlen_*`` hint,
+    when given, must not be below it: the kernel would leave the rest of the rows unwritten (a
+    larger hint is fine; the launch uses the true maximum)."""
+    longest = max(lens, default=0)
+    if given is not None and _count(given, name) < longest:
+        raise AttnccError(f"{name}={given} is below the longest sequence: sequence {lens.index(longest)} has "
+                          f"{longest} tokens. Pass the true maximum, int((cu[1:] - cu[:-1]).max()), or leave "
+                          f"{name} out: attncc takes it from the offsets")
+    return longest
 
 
 def with_kvcache(compiled, q, cache, k=None, v=None, *, cu_seqlens_q=None, max_seqlen_q=None, return_lse=False):
-    """Attend queries to a KV cache after appending their keys and values (when given)."""
+    """Attend queries to a KV cache after appending their keys and values (when given). Every
+    check runs before the append, so that a refused call leaves the cache as it was."""
     if not isinstance(cache, _Cache):
         raise AttnccError(f"cache must be an attncc.KVCache or attncc.PagedKVCache, got {type(cache).__name__}")
     packed = cu_seqlens_q is not None
-    _check_q(q, packed, cu_seqlens_q)
+    _check_q(q, packed)
     if q.dtype != cache.dtype or q.device != cache.device:
         raise AttnccError(f"query is {q.dtype} on {q.device} but the cache holds {cache.dtype} on {cache.device}")
     if q.shape[-1] != cache.head_dim:
@@ -214,35 +235,43 @@ def with_kvcache(compiled, q, cache, k=None, v=None, *, cu_seqlens_q=None, max_s
         raise AttnccError("v was given without k: pass both new keys and values, or neither")
     _no_grad(q, *[c.tensor for c in compiled.variant.captures])
     check_captures(compiled.variant.captures, q.device)
+    check_inputs_stored(compiled.variant, q, *((k, v) if k is not None else (q, q)),
+                        [c.tensor for c in compiled.variant.captures])  # before the append reads k, v
     if packed:
         cu_q, lens = _cu(cu_seqlens_q, q.device, "cu_seqlens_q", q.shape[0])
-        batch, max_q = len(lens), max_seqlen_q or max(lens, default=0)
+        max_q = _longest(lens, max_seqlen_q, "max_seqlen_q")
     else:
-        cu_q, batch, max_q = None, q.shape[0], q.shape[1]
-        lens = [max_q] * batch
-    # every check before the append, so that a failed call leaves the cache as it was
-    kv_lens = cache.lengths() if k is None else cache.lengths_after(k, v, cu_seqlens_q)
-    if batch > len(kv_lens):
-        raise AttnccError(f"the queries have {batch} sequences but the cache holds {len(kv_lens)}")
-    short = [b for b, n in enumerate(lens) if n > kv_lens[b]]
+        cu_q, lens = None, [q.shape[1]] * q.shape[0]
+        max_q = _longest(lens[:1], max_seqlen_q, "max_seqlen_q")  # (every sequence has q.shape[1] queries)
+    batch = len(lens)
+    # every check before the append, so that a refused call leaves the cache as it was
+    if packed and isinstance(k, torch.Tensor) and k.dim() == 3 and sum(lens) != k.shape[0]:
+        raise AttnccError(f"cu_seqlens_q ends at {sum(lens)} but the new keys have {k.shape[0]} packed tokens: with "
+                          "k and v, cu_seqlens_q gives each sequence's new tokens, the keys' as well as the queries'")
+    after = cache.lengths() if k is None else cache.lengths_after(k, v, cu_seqlens_q)
+    if batch > len(after):
+        raise AttnccError(f"the queries have {batch} sequences but the cache holds {len(after)}")
+    short = [b for b, n in enumerate(lens) if n > after[b]]
     if short:
-        raise AttnccError(f"sequence {short[0]} has {lens[short[0]]} queries but only {kv_lens[short[0]]} "
+        raise AttnccError(f"sequence {short[0]} has {lens[short[0]]} queries but only {after[short[0]]} "
                           "cached tokens: append the queries' keys first (pass k and v)")
-    kv_lens = kv_lens[:batch]
+    kv_lens = after[:batch]
     _check_positions(compiled, q.shape[-2], batch, lens, kv_lens)
+    setup = _kernel_setup(compiled, q.dtype, q.device, q.shape[-2], q.shape[-1], cache.num_kv_heads, cache.head_dim_v)
     if k is not None:
-        cache.append(k, v, cu_seqlens=cu_seqlens_q)
+        cache._write(k, v, after)  # (out of pages or max_len is refused before anything is written)
     args = cache.kernel_args()
     return run(compiled, q, args.pop("k"), args.pop("v"), batch=batch, packed=packed, max_q_len=max_q,
-               max_kv_len=max(kv_lens, default=0), cu_q=cu_q, return_lse=return_lse, **args)
+               max_kv_len=max(kv_lens, default=0), cu_q=cu_q, return_lse=return_lse,
+               covered=sum(lens) if packed else None, setup=setup, **args)
 
 
 def varlen(compiled, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, *,
            return_lse=False):
     """Attention over packed sequences: q (total_q, Hq, D), k/v (total_kv, Hkv, D) with cu_seqlens."""
-    _check_q(q, True, cu_seqlens_q)
-    _check_q(k, True, cu_seqlens_kv, "key")
-    _check_q(v, True, cu_seqlens_kv, "value")
+    _check_q(q, True)
+    _check_q(k, True, "key")
+    _check_q(v, True, "value")
     if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
         raise AttnccError("query, key and value must share one dtype and device")
     if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
@@ -254,10 +283,11 @@ def varlen(compiled, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, ma
     if len(lens_q) != len(lens_kv):
         raise AttnccError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_kv {len(lens_kv)}")
     batch = len(lens_q)
+    max_q, max_kv = _longest(lens_q, max_seqlen_q, "max_seqlen_q"), _longest(lens_kv, max_seqlen_kv, "max_seqlen_kv")
     _check_positions(compiled, q.shape[-2], batch, lens_q, lens_kv)
-    return run(compiled, q, _packed4(k, batch), _packed4(v, batch), batch=batch, packed=True,
-               max_q_len=max_seqlen_q or max(lens_q, default=0), max_kv_len=max_seqlen_kv or max(lens_kv, default=0),
-               cu_q=cu_q, kv_lens=cu_kv, kv_mode=KV_LENS_CU, return_lse=return_lse)
+    return run(compiled, q, _packed4(k, batch), _packed4(v, batch), batch=batch, packed=True, max_q_len=max_q,
+               max_kv_len=max_kv, cu_q=cu_q, kv_lens=cu_kv, kv_mode=KV_LENS_CU, return_lse=return_lse,
+               covered=sum(lens_q))
 
 
 def decode(compiled, q, k, v, enable_gqa=False, return_lse=False):

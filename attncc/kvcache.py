@@ -6,9 +6,15 @@ dim) or (num_pages, kv_heads, page_size, dim), so that the kernel streams each h
 contiguous blocks (token-major pages measured 5-25% slower on an H200). Both caches know each
 sequence's length on the host (kernels launch without a device sync) and on the device, and
 append in place. Mods always see logical positions 0..len-1, never where a token is stored.
+
+The lengths and the block table are the cache's own: ``cache_seqlens`` and ``block_table`` hand
+out copies, and lengths change only through methods that check them (append, truncate, reset,
+free). The kernel clamps what it reads of them to the cache's storage as well, so that no state
+reaches memory outside it.
 """
 from __future__ import annotations
 
+import operator
 import random
 
 import torch
@@ -30,6 +36,27 @@ def _check_new(name: str, t, num_kv_heads: int, head_dim: int, dtype, device):
                           f"convert with .to(cache.dtype) / .to(cache.device)")
 
 
+def cu_seqlens_lengths(cu, name: str, total: int, exact: bool = False) -> list:
+    """Per-sequence lengths of ``cu`` (FlashAttention's cu_seqlens: batch + 1 offsets rising from
+    0) over ``total`` packed rows, read on the host (one device sync for a CUDA tensor). The
+    offsets end at ``total`` exactly when ``exact`` (tokens to append), else at most there (rows
+    past the last offset belong to no sequence)."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() == 0:
+        got = f"shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise AttnccError(f"{name} must be a 1-d int32 tensor of batch + 1 offsets rising from 0 (FlashAttention's "
+                          f"cu_seqlens), got {got}; build it with torch.tensor(offsets, dtype=torch.int32)")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise AttnccError(f"{name} must hold integers (int32), got {cu.dtype}; convert with .to(torch.int32)")
+    if cu.device.type == "meta":
+        raise AttnccError(f"{name} is a meta tensor, which holds no offsets: pass it on the CPU or the inputs' device")
+    host = cu.tolist()
+    lens = [b - a for a, b in zip(host, host[1:])]
+    if host[0] != 0 or any(n < 0 for n in lens) or (host[-1] != total if exact else host[-1] > total):
+        end = f"the {total} packed tokens" if exact else f"at most the {total} packed tokens"
+        raise AttnccError(f"{name} must rise from 0 to {end}, got {host}")
+    return lens
+
+
 def _new_lengths(k, cu_seqlens) -> list:
     """Tokens appended per sequence: k (B, L, H, D) adds L to each; packed k needs cu_seqlens."""
     if k.dim() == 4:
@@ -38,11 +65,17 @@ def _new_lengths(k, cu_seqlens) -> list:
         return [k.shape[1]] * k.shape[0]
     if cu_seqlens is None:
         raise AttnccError("packed (total, heads, head_dim) keys need cu_seqlens (batch + 1 offsets)")
-    cu = cu_seqlens.tolist()
-    lens = [b - a for a, b in zip(cu, cu[1:])]
-    if cu[0] != 0 or any(n < 0 for n in lens) or cu[-1] != k.shape[0]:
-        raise AttnccError(f"cu_seqlens must rise from 0 to the {k.shape[0]} packed tokens, got {cu}")
-    return lens
+    return cu_seqlens_lengths(cu_seqlens, "cu_seqlens", k.shape[0], exact=True)
+
+
+def _count(n, name: str) -> int:
+    """An int argument (a numpy or 0-d torch integer too), not a bool or a float."""
+    try:
+        if isinstance(n, bool):
+            raise TypeError
+        return operator.index(n)
+    except TypeError:
+        raise AttnccError(f"{name} must be an int, got {n!r}") from None
 
 
 class _Cache:
@@ -69,12 +102,41 @@ class _Cache:
 
     @property
     def seqlens(self) -> torch.Tensor:
-        """int32 (batch,) on the cache's device: tokens stored per sequence."""
+        """int32 (batch,) on the cache's device: tokens stored per sequence. A copy: editing it
+        changes nothing (shorten a sequence with ``truncate``)."""
+        return self._seqlens_dev().clone()
+
+    cache_seqlens = seqlens  # FlashAttention's name for it
+
+    def _seqlens_dev(self) -> torch.Tensor:
+        """The lengths the kernel reads: made once per change of the lengths, never handed out."""
         if self._lens_dev is None:
             self._lens_dev = torch.tensor(self._lens, dtype=torch.int32, device=self.device)
         return self._lens_dev
 
-    cache_seqlens = seqlens  # FlashAttention's name for it
+    def _sequence(self, b) -> int:
+        """Sequence number b, checked: 0 <= b < batch (no negative indices from the end)."""
+        b = _count(b, "the sequence number")
+        if not 0 <= b < len(self._lens):
+            raise AttnccError(f"no sequence {b}: the cache holds {len(self._lens)} (numbered 0 to "
+                              f"{len(self._lens) - 1}; negative numbers do not count from the end)")
+        return b
+
+    def truncate(self, b: int, length: int) -> None:
+        """Keep the first ``length`` tokens of sequence b and forget the rest (a speculative
+        decoder's rejected draft tokens, say); a paged cache takes back the pages it no longer
+        needs. The lengths are the cache's own: this is how a sequence gets shorter."""
+        b = self._sequence(b)
+        length = _count(length, "length")
+        if not 0 <= length <= self._lens[b]:
+            raise AttnccError(f"truncate: sequence {b} holds {self._lens[b]} tokens, so it can keep 0 to "
+                              f"{self._lens[b]} of them, not {length}; append adds tokens")
+        self._lens[b] = length
+        self._lens_dev = None
+        self._release(b)
+
+    def _release(self, b: int) -> None:
+        """Give back storage sequence b no longer needs (after it got shorter)."""
 
     def lengths_after(self, k, v=None, cu_seqlens=None) -> list:
         """Check new tokens as ``append`` takes them and return every sequence's length after
@@ -99,7 +161,10 @@ class _Cache:
         or packed (total, kv_heads, dim) with cu_seqlens (batch + 1 offsets, varlen). With
         value_from_key the values are part of k and v is not given. All or nothing: a failed
         append leaves the cache as it was."""
-        after = self.lengths_after(k, v, cu_seqlens)
+        self._write(k, v, self.lengths_after(k, v, cu_seqlens))
+
+    def _write(self, k, v, after: list) -> None:
+        """append, for tokens that ``lengths_after`` checked and found to give lengths ``after``."""
         before = self._lens + [0] * (len(after) - len(self._lens))
         self._reserve({b: n for b, (n, m) in enumerate(zip(after, before)) if n != m}, len(after))
         seq, pos = [], []
@@ -165,13 +230,15 @@ class KVCache(_Cache):
 
     def reset(self, b: int | None = None) -> None:
         """Forget sequence b's tokens (every sequence's when b is None)."""
-        for i in range(len(self._lens)) if b is None else [b]:
+        for i in range(len(self._lens)) if b is None else [self._sequence(b)]:
             self._lens[i] = 0
         self._lens_dev = None
 
     def kernel_args(self) -> dict:
+        """attn_kv's arguments for this cache (attncc.inference): its storage as 4-d views and its
+        own lengths, which are not for editing (the kernel clamps them to max_len regardless)."""
         k4, v4 = self._views()
-        return dict(k=k4, v=v4, kv_lens=self.seqlens, kv_mode=KV_LENS_CACHE, block_table=None, page_size=1)
+        return dict(k=k4, v=v4, kv_lens=self._seqlens_dev(), kv_mode=KV_LENS_CACHE, block_table=None, page_size=1)
 
     def __repr__(self):
         return (f"KVCache(batch={self.batch}, max_len={self.max_len}, kv_heads={self.num_kv_heads}, "
@@ -234,16 +301,23 @@ class PagedKVCache(_Cache):
 
     def free(self, b: int) -> None:
         """Return sequence b's pages to the free list; its length becomes 0."""
-        if not 0 <= b < len(self._lens):
-            raise AttnccError(f"no sequence {b}: the cache has {len(self._lens)}")
-        self._free += self._pages[b]
-        self._pages[b] = []
-        self._lens[b] = 0
-        self._lens_dev = self._table = None
+        self.truncate(b, 0)
+
+    def _release(self, b: int) -> None:
+        keep = -(-self._lens[b] // self.page_size)
+        self._free += self._pages[b][keep:]
+        del self._pages[b][keep:]
+        self._table = None
 
     @property
     def block_table(self) -> torch.Tensor:
-        """int32 (batch, max pages of a sequence): page numbers of each sequence, in order."""
+        """int32 (batch, max pages of a sequence) on the cache's device: page numbers of each
+        sequence, in order, 0 past a sequence's last page. A copy: editing it changes nothing
+        (the cache hands out pages in append and takes them back in truncate and free)."""
+        return self._block_table().clone()
+
+    def _block_table(self) -> torch.Tensor:
+        """The table the kernel reads: made once per change of the pages, never handed out."""
         if self._table is None:
             width = max([len(p) for p in self._pages] + [1])
             rows = [p + [0] * (width - len(p)) for p in self._pages] or [[0]]
@@ -251,8 +325,11 @@ class PagedKVCache(_Cache):
         return self._table
 
     def kernel_args(self) -> dict:
+        """attn_kv's arguments for this cache (attncc.inference): its pages as 4-d views and its
+        own lengths and block table, which are not for editing (the kernel keeps its reads in the
+        pool and in a sequence's row of the table regardless)."""
         k4, v4 = self._views()
-        return dict(k=k4, v=v4, kv_lens=self.seqlens, kv_mode=KV_LENS_CACHE, block_table=self.block_table,
+        return dict(k=k4, v=v4, kv_lens=self._seqlens_dev(), kv_mode=KV_LENS_CACHE, block_table=self._block_table(),
                     page_size=self.page_size)
 
     def __repr__(self):

@@ -844,3 +844,25 @@ def test_tensor_with_freed_storage_is_refused(freed):
     tensor.untyped_storage().resize_(saved.numel() * saved.element_size())
     tensor.copy_(saved)
     check(q, k, v, lambda s, b, h, qi, ki: s + table[h, ki], kernel=kernel)
+
+
+def test_freed_storage_is_refused_by_the_inference_paths():
+    """The decode kernel (few queries over many keys, no gradient) and with_kvcache check too;
+    with_kvcache before it appends (the cache keeps its length)."""
+    torch.manual_seed(3)
+    table = torch.rand(2)
+    kernel = attncc.compile(attncc.Variant(lambda s, b, h, qi, ki: s + table[h] * (ki - qi)))
+    q, k, v = randn_qkv(1, 2, 2, 2, 300, 16)
+    with torch.no_grad():
+        kernel(q, k, v)
+        table.untyped_storage().resize_(0)
+        with pytest.raises(attncc.AttnccError, match="no storage"):
+            kernel(q, k, v)
+        table.untyped_storage().resize_(8)
+        table.copy_(torch.rand(2))
+        cache = attncc.KVCache(1, 64, 2, 16, dtype=torch.float32, device="cpu")
+        new_k, new_v = torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16)
+        new_v.untyped_storage().resize_(0)
+        with pytest.raises(attncc.AttnccError, match="value.*no storage"):
+            kernel.with_kvcache(torch.randn(1, 3, 2, 16), cache, new_k, new_v)
+        assert cache.lengths() == [0]

@@ -351,3 +351,58 @@ def test_merge_is_a_programmatic_dependent_launch_on_hopper():
         assert ("tl.extra.cuda.gdc_launch_dependents()" in kernel) == pdl, target
         assert ("tl.extra.cuda.gdc_wait()" in merge) == pdl, target
         assert ("launch_pdl=True" in merge) == pdl, target
+
+
+def test_max_seqlen_below_the_longest_sequence_is_refused():
+    """FlashAttention's max_seqlen_q/kv are upper bounds: one below the longest sequence would
+    leave rows unwritten (varlen returned 58 of 90 rows as uninitialised memory) or keys unread
+    (split-KV covers max_seqlen_kv keys). The host reads the offsets anyway: it refuses such a
+    hint, and launches with the true maxima whatever larger hint is given."""
+    torch.manual_seed(6)
+    compiled = attncc.compile(attncc.Variant(mask_mod=causal_mask))
+    q, k, v = torch.randn(100, 2, 16), torch.randn(130, 1, 16), torch.randn(130, 1, 16)
+    cu_q = torch.tensor([0, 90, 100], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 95, 130], dtype=torch.int32)
+    with torch.no_grad():
+        with pytest.raises(attncc.AttnccError, match="max_seqlen_q=32 is below the longest sequence: sequence 0 "
+                                                      "has 90 tokens"):
+            compiled.varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=32)
+        with pytest.raises(attncc.AttnccError, match="max_seqlen_kv=64 is below the longest sequence: sequence 0 "
+                                                      "has 95 tokens"):
+            compiled.varlen(q, k, v, cu_q, cu_kv, max_seqlen_kv=64)
+        with pytest.raises(attncc.AttnccError, match="max_seqlen_q must be an int, got 90.0"):
+            compiled.varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=90.0)
+        out, lse = compiled.varlen(q, k, v, cu_q, cu_kv, max_seqlen_q=4096, max_seqlen_kv=4096, return_lse=True)
+        assert torch.equal(out, compiled.varlen(q, k, v, cu_q, cu_kv))  # a larger hint changes nothing
+    for b, (sq, skv) in enumerate([(slice(0, 90), slice(0, 95)), (slice(90, 100), slice(95, 130))]):
+        _close(out[sq], lse[sq], *_ref_seq((None, causal_mask), q[sq], k[skv], v[skv], skv.stop - skv.start
+                                           - (sq.stop - sq.start), b))
+
+    cache = attncc.PagedKVCache(16, 16, 1, 16, torch.float32, "cpu")
+    with torch.no_grad(), pytest.raises(attncc.AttnccError, match="max_seqlen_q=32 is below"):
+        compiled.with_kvcache(q, cache, k[:100], v[:100], cu_seqlens_q=cu_q, max_seqlen_q=32)
+    assert cache.lengths() == [] and cache.free_pages == 16  # refused before the append
+    with torch.no_grad():
+        out, lse = compiled.with_kvcache(q, cache, k[:100], v[:100], cu_seqlens_q=cu_q, max_seqlen_q=90,
+                                         return_lse=True)
+    for b, s in enumerate([slice(0, 90), slice(90, 100)]):
+        _close(out[s], lse[s], *_ref_seq((None, causal_mask), q[s], k[s], v[s], 0, b))
+
+
+@pytest.mark.parametrize("path", ["varlen", "with_kvcache"])
+def test_packed_rows_after_the_last_offset_are_zero(path):
+    """Packed queries may have rows after cu_seqlens_q[-1] (a padded buffer): they belong to no
+    sequence, and come back as 0 with lse -inf, not as uninitialised memory."""
+    torch.manual_seed(7)
+    compiled = attncc.compile(attncc.Variant(mask_mod=causal_mask))
+    q, k, v = torch.randn(70, 4, 16), torch.randn(50, 2, 16), torch.randn(50, 2, 16)
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    with torch.no_grad():
+        if path == "varlen":
+            out, lse = compiled.varlen(q, k, v, cu, cu, return_lse=True)
+        else:
+            cache = attncc.KVCache(2, 64, 2, 16, torch.float32, "cpu")
+            out, lse = compiled.with_kvcache(q, cache, k, v, cu_seqlens_q=cu, return_lse=True)
+    assert (out[50:] == 0).all() and torch.isneginf(lse[50:]).all()
+    for b, s in enumerate([slice(0, 20), slice(20, 50)]):
+        _close(out[s], lse[s], *_ref_seq((None, causal_mask), q[s], k[s], v[s], 0, b))
