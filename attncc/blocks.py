@@ -29,17 +29,20 @@ def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device) ->
     """int8 (X, ceil(Lq / FINE), ceil(Lkv / FINE)), X = B * H if per_head else 1; cached."""
     key = (id(fwd_module), tuple(_tensor_key(c) for c in captures), B if per_head else 0,
            H if per_head else 0, Lq, Lkv)
-    table = _cache.get(key)
-    if table is None:
-        X = B * H if per_head else 1
-        table = torch.empty(X, -(-Lq // FINE), -(-Lkv // FINE), dtype=torch.int8, device=device)
-        if table.numel():
-            fwd_module.classify(table, captures, H, Lq, Lkv, FINE)
-        _cache[key] = table
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    else:
+    hit = _cache.get(key)
+    # the same tensors, not others at their addresses: a tensor made where a freed one lived has
+    # its address and version counter (0) too, and another mask
+    if hit is not None and all(ref() is c for ref, c in zip(hit[1], captures)):
         _cache.move_to_end(key)
+        return hit[0]
+    X = B * H if per_head else 1
+    table = torch.empty(X, -(-Lq // FINE), -(-Lkv // FINE), dtype=torch.int8, device=device)
+    if table.numel():
+        fwd_module.classify(table, captures, H, Lq, Lkv, FINE)
+    _cache[key] = (table, [weakref.ref(c) for c in captures])
+    _cache.move_to_end(key)
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
     return table
 
 
@@ -99,7 +102,7 @@ def _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) ->
         key = (id(fine), fn, o, i)
         hit = _lists.get(key)
         if hit is None or hit[0] is not fine:  # ids are reused after a table is evicted
-            live = {id(t) for t in _cache.values()}  # drop the lists of evicted tables
+            live = {id(t) for t, _ in _cache.values()}  # drop the lists of evicted tables
             for stale in [k for k in _lists if k[0] not in live]:
                 del _lists[stale]
             hit = _lists[key] = (fine, tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv"))
