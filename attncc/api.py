@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from . import autograd, cache, codegen, config, inference, ir, runtime
+from . import autograd, cache, codegen, config, inference, ir, runtime, tiers
 from .checks import MAX_HEAD_DIM
 from .errors import AttnccError
 from .spec import Spec, sm
@@ -67,7 +67,7 @@ class CompiledAttention:
         atomic = config.atomic_dq() and not deterministic
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
                                    deterministic=bool(deterministic and learnable), tma="off", ws="off",
-                                   positive_scale=True, tiles=())  # only the forward folds the scale
+                                   positive_scale=True, tiles=(), tier="triton")  # only the forward folds the scale
 
     def _path_and_module(self, kernel: str, spec: Spec):
         """(kernel file, loaded module) of one kernel under a Spec: found in this process, else
@@ -140,7 +140,9 @@ class CompiledAttention:
         # what a call with TMA-addressable tensors runs there (runtime.descriptor_modes)
         modes = ("off", "off") if sm(target) < 90 else (
             config.tma(), config.ws())
-        spec = Spec(_dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target, tma=modes[0], ws=modes[1])
+        name = _dtype_name(dtype)
+        tier = tiers.choose(self.variant, target, name, head_dim, dv, False)[0] if kernel == "fwd" else "triton"
+        spec = Spec(name, head_dim, dv, gqa, target, tma=modes[0], ws=modes[1], tier=tier)
         return self._source(kernel, spec)[1]
 
     def explain(self) -> str:
@@ -177,6 +179,11 @@ class CompiledAttention:
             lines += [f"  a Q tile [q_lo, q_hi] reaches keys [{tb.reach.first}, {tb.reach.last}]",
                       f"  and attends every key in [{tb.full.first}, {tb.full.last}] (those tiles run without mask code)"]
         lines += ["", f"scale = {v.scale if v.scale is not None else '1/sqrt(head_dim)'}, dropout_p = {v.dropout_p}"]
+        lines += ["", "Forward kernel tier (attncc.tiers; ATTNCC_TIER=auto|triton|gluon):"]
+        for d in (128, 64):
+            tier, why = tiers.choose(v, "cuda-sm90", "bfloat16", d, d, v.dropout_p > 0)
+            lines.append(f"  sm90, bfloat16, head dim {d}: {tier} ({why})")
+        lines.append("  other GPUs, float32 and the interpreter: triton; backward and inference kernels: triton")
         paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]
         lines += ["", "Generated kernels in this process:"] + (["  " + p for p in paths] or ["  (none yet)"])
         lines += [f"Kernel cache folder: {cache.folder()}"]

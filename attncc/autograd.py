@@ -36,7 +36,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import blocks, config, runtime
+from . import blocks, config, runtime, tiers
 from .checks import captures_in_range, check_capture_indices, check_captures, check_qkv, check_storage
 from .errors import AttnccError
 from .log import logger
@@ -120,6 +120,7 @@ def lookup(key: str):
 
 
 _specs: dict = {}  # the Specs calls have built, by their fields: one object per kind of call
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic) -> Launch:
@@ -128,13 +129,16 @@ def _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic) -
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tma, ws = runtime.descriptor_modes(target, q, k, v)
     in_range = captures_in_range(compiled.variant, q, k, captures)
-    fields = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], target, dropout, tma, ws, scale > 0,
-              in_range)
+    dtype = _DTYPES[q.dtype]
+    tier = "triton" if not target.startswith("cuda-sm9") else tiers.choose(
+        compiled.variant, target, dtype, q.shape[-1], v.shape[-1], dropout, (q, k, v))[0]
+    fields = (dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], target, dropout, tma, ws, scale > 0,
+              in_range, tier)
     spec = _specs.get(fields)
     if spec is None:
-        dtype, d, dv, group, *_ = fields
-        spec = _specs[fields] = Spec(str(dtype).removeprefix("torch."), d, dv, group, target, dropout,
-                                     tma=tma, ws=ws, positive_scale=scale > 0, in_range=in_range)
+        _, d, dv, group, *_ = fields
+        spec = _specs[fields] = Spec(dtype, d, dv, group, target, dropout, tma=tma, ws=ws,
+                                     positive_scale=scale > 0, in_range=in_range, tier=tier)
     seeds = (*rng.tolist(), dropout_p) if dropout else ()
     return Launch(compiled, spec, scale, seeds, deterministic)
 

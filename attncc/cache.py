@@ -44,7 +44,7 @@ WRITE_ATTEMPTS = 10  # writes retried after a concurrent clear removed the folde
 def _code_hash() -> str:
     h = hashlib.sha256()
     pkg = Path(__file__).resolve().parent
-    files = sorted(pkg.rglob("*.py")) + sorted(template_dir().glob("*.jinja"))
+    files = sorted(pkg.rglob("*.py")) + sorted(template_dir().rglob("*.jinja"))
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())

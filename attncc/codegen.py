@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from .plan import KernelPlan
 
 TEMPLATES = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja", "kv": "attn_kv.py.jinja"}
+# the Gluon tier's templates (attncc.tiers), by kernel: the forward so far
+GLUON_TEMPLATES = {"fwd": "sm90/attn_fwd.py.jinja"}
 
 
 def template_dir() -> Path:
@@ -32,4 +34,5 @@ def _env() -> jinja2.Environment:
 
 
 def render(plan: KernelPlan) -> str:
-    return _env().get_template(TEMPLATES[plan.kernel]).render(plan=plan)
+    name = GLUON_TEMPLATES[plan.kernel] if plan.tier == "gluon" else TEMPLATES[plan.kernel]
+    return _env().get_template(name).render(plan=plan)

@@ -112,6 +112,25 @@ def ws() -> str:
     return _descriptor_mode("ATTNCC_WS")
 
 
+TIERS = ("auto", "triton", "gluon")
+
+
+def tier() -> str:
+    """$ATTNCC_TIER = auto | triton | gluon: which template set the forward kernel comes from.
+    ``triton`` (the portable tier, every GPU and the interpreter); ``gluon`` (the Hopper tier,
+    templates/sm90: warp-specialised, TMA and asynchronous wgmma) wherever the variant and the
+    call fit it (attncc.tiers.choose says why not otherwise); ``auto`` (default): the Gluon tier
+    where it measured faster."""
+    raw = _env("ATTNCC_TIER")
+    if raw is None:  # every call reads it (host time): the unset case returns at once
+        return "auto"
+    mode = raw.strip().lower() or "auto"
+    if mode not in TIERS:
+        from .errors import AttnccError
+        raise AttnccError(f"ATTNCC_TIER={mode!r} is not one of {', '.join(TIERS)}")
+    return mode
+
+
 def _descriptor_mode(var: str) -> str:
     raw = _env(var)
     if raw is None:  # every call reads it (host time): the unset case returns at once

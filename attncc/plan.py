@@ -12,7 +12,7 @@ from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import H, KV, Q, SCORE
 from .spec import Spec, sm  # Spec is re-exported: plan.Spec
-from .tiles import pow2, choose_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
+from .tiles import pow2, choose_tiles, gluon_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
 from .variant import Analysis
 
 # the outer tile's first and last index, as the kernels name them
@@ -164,6 +164,9 @@ class KernelPlan:
     short_kv: int = 0
     # kv on Hopper and later: merge_splits is a programmatic dependent launch of attn_kv
     pdl: bool = False
+    # the template set (attncc.tiers): "triton" (templates/) or "gluon" (templates/sm90/, fwd only,
+    # its mods printed in Gluon's language)
+    tier: str = "triton"
 
     @property
     def runtime_ints(self):
@@ -262,6 +265,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         outputs.append(("keep", keep))
     grads = ()
     interp = spec.target == "interpreter"
+    gluon = kernel == "fwd" and spec.tier == "gluon"
+    lang = "gl" if gluon else "tl"
     if kernel == "fwd":
         fns = {"attn_fwd": {KV}}
     elif kernel == "kv":
@@ -273,8 +278,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         outputs += [(f"dcap{j}", printer.float_positions(g.derivative)) for j, g in enumerate(derived.loads)]
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
         fns = {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
-    mods = {fn: printer.emit(outputs, cap_info, loop, interp) for fn, loop in fns.items() if loop}
-    tp = printer.TritonPrinter(cap_info, interp)
+    mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang) for fn, loop in fns.items() if loop}
+    tp = printer.TritonPrinter(cap_info, interp, lang)
     mask = analysis.mask
     ranges = {"attn_fwd": (Q, KV, Q_LO, Q_HI), "attn_bwd_dq": (Q, KV, Q_LO, Q_HI),
               "attn_bwd_dkdv": (KV, Q, KV_LO, KV_HI), "attn_kv": (Q, KV, Q_LO, Q_HI)}
@@ -295,10 +300,10 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
                                                    i in spec.in_range))
                  for i, (nd, kind) in enumerate(analysis.captures))
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
-    ws = kernel == "fwd" and ws_fits(block_sparse, spec) and (
+    ws = kernel == "fwd" and not gluon and ws_fits(block_sparse, spec) and (
         spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, analysis.score, mask_class, spec)))
     ws_limit = ws_kv(mask_class, spec) if ws else 0
-    general = kernel == "fwd" and (not ws or ws_limit > 0)  # attn_fwd runs some of the lengths
+    general = kernel == "fwd" and not gluon and (not ws or ws_limit > 0)  # attn_fwd runs some of the lengths
     tma = general and (spec.tma == "on" or (spec.tma == "auto" and tma_pays(f, block_sparse, mask_class, d)))
     short = short_kv(f, analysis.score, block_sparse, mask_class, spec) if general else 0
     if ws:
@@ -312,16 +317,17 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         dot_precision="ieee" if spec.dtype == "float32" else "tf32",
         score_text=str(analysis.score), mask_text=str(analysis.mask),
         score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
-        fold_scale=f.score_identity and spec.positive_scale and (kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
+        fold_scale=f.score_identity and spec.positive_scale and (gluon or kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
-        tiles={fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)}, mods=mods,
+        tiles=gluon_tiles(spec) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
+        mods=mods,
         bounds=tile_bounds, grads=grads,
         log2_bias=log2_bias, atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
         split_d=split_dim(spec.head_dim),
         tma=tma, ws=ws, ws_kv=ws_limit,
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short,
-        pdl=kernel == "kv" and sm(spec.target) >= 90)
+        pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton")
 
 
 def _tiled(fns) -> list:

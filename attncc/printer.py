@@ -31,15 +31,35 @@ from .passes import symbolic as S
 TEMP_NAMES = re.compile(r"t\d+|inv\d+|cap\d+_\d+|q_idx_f|kv_idx_f")
 
 
+# Triton functions Gluon does not have: the Gluon templates define these helpers in their place
+GLUON_HELPERS = {"tl.sigmoid": "_sigmoid"}
+_TL = re.compile(r"\btl\.[A-Za-z_][A-Za-z0-9_]*")
+
+
+def in_language(text: str, lang: str) -> str:
+    """Printed Triton text in another language: ``tl.f`` -> ``{lang}.f`` (or its helper). Safe as a
+    text rewrite: printed code holds no user text (captures are cap<n>), only our names."""
+    return _TL.sub(lambda m: GLUON_HELPERS.get(m.group(0)) or lang + m.group(0)[2:], text)
+
+
 class TritonPrinter(StrPrinter):
     """Prints sympy expressions as Triton (triton.language as tl) expressions."""
 
-    def __init__(self, captures: tuple = (), interpreter: bool = False):
+    def __init__(self, captures: tuple = (), interpreter: bool = False, lang: str = "tl"):
         super().__init__({"full_prec": True})
         self.captures = captures  # (ndim, kind, in_range) per capture number
         # Triton's interpreter turns `scalar_bool & tensor_bool` into int32 (and then rejects it
         # as a load mask): for that target, conjunctions are compared back to bool.
         self.interpreter = interpreter
+        # "tl" (triton.language: the Triton tier) or "gl" (triton.experimental.gluon.language: the
+        # Gluon tier, whose templates define the helpers it lacks, GLUON_HELPERS)
+        self.lang = lang
+
+    def doprint(self, expr):
+        """``expr`` as an expression of the printer's language. The methods below write Triton's
+        (``tl.``); Gluon has the same functions under ``gl.``, but for GLUON_HELPERS."""
+        text = super().doprint(expr)
+        return text if self.lang == "tl" else in_language(text, self.lang)
 
     def as_bool(self, text: str) -> str:
         return f"({text} != 0)" if self.interpreter else text
@@ -290,13 +310,13 @@ def _position_sum(e) -> bool:
     return True
 
 
-def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False) -> ModCode:
+def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False, lang: str = "tl") -> ModCode:
     """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
     Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a
     temporary ``cap<n>_<k>``; maximal subexpressions that do not read ``loop_symbols`` (kv_idx
     in the forward) or the score are hoisted before the tile loop (``inv<k>``)."""
-    printer = TritonPrinter(captures, interpreter)
+    printer = TritonPrinter(captures, interpreter, lang)
     labels = [label for label, _ in outputs]
     outputs = [e for _, e in outputs]
     temps, reduced = sp.cse(outputs, symbols=sp.numbered_symbols("t"), order="none") if outputs else ([], [])
@@ -312,7 +332,7 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
     hoisted, body = [], []
     for pos, twin in _TWINS.items():
         if any(twin in e.free_symbols for e in outputs):
-            (body if pos in loop_symbols else hoisted).append((str(twin), f"{pos}.to(tl.float32)"))
+            (body if pos in loop_symbols else hoisted).append((str(twin), f"{pos}.to({printer.lang}.float32)"))
     counts = {}
 
     def name(prefix, expr, invariant):

@@ -118,7 +118,7 @@ def load(path: Path, interpret: bool, text: str | None = None):
         linecache.cache[str(path)] = (len(text), None, text.splitlines(keepends=True), str(path))
         sys.modules[name] = module
         try:
-            exec(compile(text, str(path), "exec"), module.__dict__)
+            exec(compile(text, str(path), "exec", dont_inherit=True), module.__dict__)  # not runtime.py's __future__ flags
         except Exception as e:
             sys.modules.pop(name, None)
             raise AttnccError(

@@ -32,3 +32,5 @@ class Spec:
                              # tiles the autotuner measured fastest (attncc.tune), replacing the table
     in_range: tuple = ()     # fwd, bwd: numbers of the captured tensors every index stays inside at the
                              # call's lengths (attncc.checks.captures_in_range): loaded without bounds masks
+    tier: str = "triton"     # fwd: the template set, "triton" (templates/) or "gluon" (templates/sm90/),
+                             # chosen by attncc.tiers.choose

@@ -26,6 +26,13 @@ class Tiles:
     num_stages: int
 
 
+def gluon_tiles(spec: Spec) -> dict:
+    """The Gluon forward's tile (templates/sm90): 64 query rows per consumer warp group (two per
+    program), key tiles of 128, two K/V stages at head dim 128 and three at 64, as measured
+    (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower)."""
+    return {"attn_fwd": Tiles(64, 128, 4, 2 if spec.head_dim > 64 else 3)}
+
+
 def pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 

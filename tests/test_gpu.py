@@ -68,6 +68,15 @@ def reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=False):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
+@pytest.fixture(autouse=True)
+def _tier(request, monkeypatch):
+    """These tests check the Triton tier's kernels (tests/test_gpu_gluon.py has the Gluon tier's),
+    but for the reference test, which runs each case on both tiers (a case the Gluon tier does not
+    take runs the Triton tier there too)."""
+    params = getattr(request.node, "callspec", None)
+    monkeypatch.setenv("ATTNCC_TIER", params.params.get("tier", "triton") if params else "triton")
+
+
 def _cases():
     cases = []
     for name in NAMES:
@@ -78,8 +87,9 @@ def _cases():
     return cases
 
 
+@pytest.mark.parametrize("tier", ["triton", "gluon"])
 @pytest.mark.parametrize("name,shape,dt", _cases())
-def test_variant_on_gpu_matches_reference(name, shape, dt):
+def test_variant_on_gpu_matches_reference(name, shape, dt, tier):
     B, Hq, Hkv, Lq, Lkv, D, Dv = SHAPES[shape]
     dtype = DTYPES[dt]
     torch.manual_seed(zlib.crc32(f"{name}-{shape}-{dt}".encode()))

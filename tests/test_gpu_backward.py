@@ -19,7 +19,9 @@ def _rel(a, b):
                                    (1, 4, 4, 512, 1024, 128, 128)],  # whole tiles: the table loads without masks
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("variant", ["causal", "softcap", "alibi_learnable", "relbias_learnable"])
-def test_backward_gpu(dtype, shape, variant):
+@pytest.mark.parametrize("tier", ["triton", "gluon"])  # the forward's: the backward is the Triton tier's
+def test_backward_gpu(dtype, shape, variant, tier, monkeypatch):
+    monkeypatch.setenv("ATTNCC_TIER", tier)
     B, H, Hkv, Lq, Lkv, D, Dv = shape
     dev = "cuda"
     torch.manual_seed(0)
@@ -47,9 +49,10 @@ def test_backward_gpu(dtype, shape, variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_backward_after_warp_specialized_forward_gpu(dtype):
-    """Full attention at head dim 128 with Lkv % 128 == 0: on sm90 the forward is the
-    warp-specialised one (its lse is stored through a descriptor); the gradients use that lse."""
+def test_backward_after_warp_specialized_forward_gpu(dtype, monkeypatch):
+    """Full attention at head dim 128 with Lkv % 128 == 0: on sm90 the Triton tier's forward is
+    the warp-specialised one (its lse is stored through a descriptor); the gradients use that lse."""
+    monkeypatch.setenv("ATTNCC_TIER", "triton")
     torch.manual_seed(1)
     B, H, Hkv, Lq, Lkv, D = 2, 8, 2, 1000, 1024, 128
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, requires_grad=True)

@@ -1,0 +1,90 @@
+"""Which template set a forward call's kernel comes from: the one place the tier is chosen.
+
+    triton  templates/*.py.jinja: the portable tier (every GPU, the Triton interpreter) and the
+            oracle the other tier is tested against
+    gluon   templates/sm90/*.py.jinja: Hopper only, in Gluon (Triton's explicit-layout language):
+            a producer warp streams K/V through TMA into a shared-memory ring guarded by
+            mbarriers, two consumer warp groups ping-pong asynchronous wgmma against the softmax
+
+Both tiers render one KernelPlan and print the mods with one printer (attncc.printer); only the
+template set differs. ``choose`` returns the tier and the reason, which ``explain`` and the logs
+show. The backward and the inference kernels are the Triton tier's.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from . import config
+from .spec import sm
+
+GLUON_DTYPES = ("float16", "bfloat16")
+GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims the kernel was built for
+# Head dims where the Gluon forward measured faster than the Triton tier's (H100, bf16, triton 3.6,
+# benchmarks/gluon/NOTES.md): 128 (4x16x4096: full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384
+# full 3.46 vs 3.90); at 64 it measured slower (4x32x4096 full 1.356 vs 1.208, causal 0.736 vs 0.706)
+GLUON_PAYS = (128,)
+
+
+@lru_cache(maxsize=1)
+def gluon_available() -> bool:
+    """Triton ships Gluon with the Hopper ops the templates use (triton >= 3.6). Read from the
+    installed version, not by importing triton: that import must wait until attncc knows whether
+    the interpreter is wanted (attncc.runtime)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        major, minor = (int(x) for x in version("triton").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (3, 6)
+
+
+def _mask_reads_tensors(variant) -> bool:
+    from . import ir
+    return variant.mask_ir is not None and any(n.op == "load" for n in ir.walk(variant.mask_ir))
+
+
+_chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
+
+
+def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, tensors=()) -> tuple[str, str]:
+    """(tier, why) of a forward call: "gluon" or "triton". ``tensors``: q, k, v and the output's
+    layout (q's), which the Gluon kernel reads and writes through 4-D tensor descriptors."""
+    want = config.tier()
+    key = (variant.ir_key, target, dtype, d, dv, dropout, want)
+    chosen = _chosen.get(key)
+    if chosen is None:
+        chosen = _chosen[key] = _choose(variant, target, dtype, d, dv, dropout, want)
+    if chosen[0] == "gluon":
+        from .runtime import _addressable
+        for t in tensors:  # a loop, not any(<generator>): host time per call
+            if not _addressable(t) or t.shape[2] == 0:
+                return "triton", ("a tensor TMA cannot address (unit head-dim stride, 16-byte aligned strides, "
+                                  "no empty length)")
+    return chosen
+
+
+def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
+    if want == "triton":
+        return "triton", "ATTNCC_TIER=triton"
+    if sm(target) != 90:
+        return "triton", f"the Gluon tier is built for sm90 (Hopper); this target is {target}"
+    why_not = _unfit(variant, dtype, d, dv, dropout)
+    if why_not:
+        return "triton", why_not
+    if want == "auto" and d not in GLUON_PAYS:
+        return "triton", f"head dim {d}: the Gluon forward measured slower than the Triton tier's (tiers.GLUON_PAYS)"
+    return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {dtype}, head dim {d}: measured faster"
+
+
+def _unfit(variant, dtype, d, dv, dropout) -> str | None:
+    if not gluon_available():
+        return "this Triton has no Gluon Hopper ops the templates use (needs triton >= 3.6)"
+    if dtype not in GLUON_DTYPES:
+        return f"{dtype}: the Gluon tier runs float16 and bfloat16"
+    if d != dv or d not in GLUON_HEAD_DIMS:
+        return f"head dims {d} / {dv}: the Gluon tier takes equal head dims of {' or '.join(map(str, GLUON_HEAD_DIMS))}"
+    if dropout:
+        return "dropout: the Gluon tier has no dropout yet"
+    if _mask_reads_tensors(variant):
+        return "the mask reads captured tensors (block-sparse tile lists): the Gluon tier derives bounds only"
+    return None

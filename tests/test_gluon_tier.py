@@ -1,0 +1,117 @@
+"""The Gluon tier on a machine without a GPU: where it is chosen and why, and that every rendered
+Gluon kernel compiles for sm90 (Triton compiles Gluon down to ptxas without a device), so a
+template error fails here and not at a user's first call. Correctness on the GPU:
+tests/test_gpu_gluon.py."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import attncc
+from attncc import codegen, plan, runtime, tiers
+from attncc.spec import Spec
+from variants import BUILDERS, NAMES
+
+GLUON_VARIANTS = [n for n in NAMES if n != "document"]
+
+
+def _variant(name, H=4, L=1000):
+    return attncc.Variant(*BUILDERS[name](2, H, L, L, "cpu"))
+
+
+def test_tier_choice(monkeypatch):
+    monkeypatch.delenv("ATTNCC_TIER", raising=False)
+    causal = _variant("causal")
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False)[0] == "gluon"
+    assert tiers.choose(causal, "cuda-sm90", "float16", 128, 128, False)[0] == "gluon"
+    for args, why in [(("cuda-sm90", "bfloat16", 64, 64, False), "measured slower"),
+                      (("cuda-sm90", "float32", 128, 128, False), "float16 and bfloat16"),
+                      (("cuda-sm90", "bfloat16", 128, 128, True), "dropout"),
+                      (("cuda-sm90", "bfloat16", 128, 64, False), "equal head dims"),
+                      (("cuda-sm80", "bfloat16", 128, 128, False), "sm90"),
+                      (("cuda-sm100", "bfloat16", 128, 128, False), "sm90"),
+                      (("interpreter", "bfloat16", 128, 128, False), "sm90")]:
+        tier, reason = tiers.choose(causal, *args)
+        assert tier == "triton" and why in reason, (args, reason)
+    tier, reason = tiers.choose(_variant("document"), "cuda-sm90", "bfloat16", 128, 128, False)
+    assert tier == "triton" and "captured tensors" in reason
+    q = torch.zeros(1, 2, 8, 256, dtype=torch.bfloat16)[..., ::2]  # head-dim stride 2: no TMA box
+    tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, (q, q, q))
+    assert tier == "triton" and "TMA" in reason
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False)[0] == "gluon"
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 80, 80, False)[0] == "triton"
+    monkeypatch.setenv("ATTNCC_TIER", "triton")
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False) == ("triton", "ATTNCC_TIER=triton")
+    monkeypatch.setenv("ATTNCC_TIER", "fast")
+    with pytest.raises(attncc.AttnccError, match="ATTNCC_TIER='fast' is not one of auto, triton, gluon"):
+        tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False)
+
+
+def test_interpreted_calls_keep_the_triton_tier(monkeypatch):
+    """CPU tensors run the Triton tier's kernels whatever ATTNCC_TIER asks (Gluon has no interpreter)."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    q = torch.randn(1, 2, 17, 16)
+    out = attncc.attention(q, q, q, mask_mod=BUILDERS["causal"](1, 2, 17, 17, "cpu")[1])
+    ref = attncc.reference.attention(q.double(), q.double(), q.double(), None, BUILDERS["causal"](1, 2, 17, 17, "cpu")[1])
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert all(spec.tier == "triton" for (_, kind, spec) in attncc.api._loaded if kind == "fwd")
+
+
+def test_explain_and_source_name_the_tier(monkeypatch):
+    monkeypatch.delenv("ATTNCC_TIER", raising=False)
+    kernel = attncc.compile(_variant("alibi"))
+    text = kernel.explain()
+    assert "sm90, bfloat16, head dim 128: gluon" in text and "head dim 64: triton (head dim 64: the Gluon" in text
+    src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
+    assert "Gluon tier (Hopper)" in src and "def producer(" in src and "def consumer(" in src
+    assert "Gluon tier" not in kernel.source("fwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
+    assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
+
+
+def _compile_for_sm90(module, d: int, group: int, dtype, captures):
+    """triton.compile of the module's attn_fwd for sm90 with CPU arguments (no launch)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+    B, H, Lq, Lkv = 2, 2 * group, 300, 777
+    q, out = (torch.zeros(B, H, Lq, d, dtype=dtype) for _ in range(2))
+    k = torch.zeros(B, H // group, Lkv, d, dtype=dtype)
+    block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
+    args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
+            module._descriptor(out, block_m), torch.zeros(B, H, Lq)]
+    for c in captures:
+        args += [c] + [x for dim in range(c.dim()) for x in (c.shape[dim], c.stride(dim))]
+    args += [H, B * H, Lq, Lkv, 0.125]
+    kwargs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, GROUP=group, num_warps=4, maxnreg=168)
+    target = GPUTarget("cuda", 90, 128)
+    backend = make_backend(target)
+    fn = module.attn_fwd
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+CASES = [(name, 128, 1, "bfloat16") for name in GLUON_VARIANTS] + [
+    ("causal", 128, 4, "float16"), ("alibi", 64, 2, "bfloat16"), ("full", 64, 1, "float16")]
+
+
+@pytest.mark.parametrize("name,d,group,dtype", CASES, ids=[f"{n}-d{d}-g{g}-{t}" for n, d, g, t in CASES])
+def test_rendered_gluon_kernel_compiles_for_sm90(name, d, group, dtype, tmp_path):
+    runtime.target_for(torch.device("cpu"))  # triton imported as the other CPU tests need it: interpreter on
+    variant = _variant(name, H=2 * group)
+    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon")
+    source = codegen.render(plan.build("fwd", variant.analysis, spec, variant.captures))
+    path = tmp_path / f"fwd_{name}.py"
+    path.write_text(source)
+    module = runtime.load(path, False, source)
+    assert module.TIER == "gluon"
+    # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
+    assert not isinstance(inspect.signature(module._block_range.fn).parameters["BLOCK_Q"].annotation, str)
+    captures = [c.tensor.to(torch.float32) if c.tensor.is_floating_point() else c.tensor for c in variant.captures]
+    compiled = _compile_for_sm90(module, d, group, getattr(torch, dtype), captures)
+    assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]

@@ -1,0 +1,106 @@
+"""The Gluon tier's forward (templates/sm90) on a Hopper GPU against the float64 reference and the
+Triton tier: every example variant it takes, odd lengths, Lq != Lkv, GQA, head dims 64 and 128,
+fully masked rows, (B, L, H, D) views, a learnable capture's gradient through its lse, and the
+tier choice. Run with ``python -m pytest -m gpu tests/test_gpu_gluon.py`` on an sm90 machine."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import attncc
+from conftest import assert_close_to_reference
+from test_gpu import reference_on_gpu
+from variants import BUILDERS, NAMES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm90 GPU")]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (B, Hq, Hkv, Lq, Lkv, D)
+SHAPES = {"1x2x1x1": (1, 2, 2, 1, 1, 128), "2x3x17": (2, 3, 3, 17, 17, 128), "gqa8:2-1000": (2, 8, 2, 1000, 1000, 128),
+          "Lq300-Lkv1500": (2, 4, 4, 300, 1500, 128), "Lq1500-Lkv300": (1, 4, 4, 1500, 300, 128),
+          "Lq1-Lkv4096": (2, 2, 2, 1, 4096, 128), "D64-gqa4:1-Lq17-Lkv1000": (1, 4, 1, 17, 1000, 64),
+          "many-tiles-4x8x2048": (4, 8, 8, 2048, 2048, 128)}
+FP16_SHAPES = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq17-Lkv1000")  # fp16: fewer shapes (each dtype compiles its kernels)
+GLUON_VARIANTS = [n for n in NAMES if n != "document"]  # a mask reading tensors keeps the Triton tier
+
+
+def _modules(tier: str):
+    return [m for (_, kind, spec), (_, m) in attncc.api._loaded.items() if kind == "fwd" and spec.tier == tier]
+
+
+def _run(name, shape, dtype, seed):
+    B, Hq, Hkv, Lq, Lkv, D = SHAPES[shape]
+    torch.manual_seed(zlib.crc32(seed.encode()))
+    score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cuda")
+    q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
+    out, lse = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv, return_lse=True)
+    ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    assert_close_to_reference(out, lse, ref, ref_lse, dtype)
+    return out, lse
+
+
+@pytest.mark.parametrize("name,shape,dt", [(n, s, d) for n in NAMES for s in SHAPES for d in DTYPES
+                                            if d == "bf16" or s in FP16_SHAPES])
+def test_gluon_forward_matches_reference(name, shape, dt, monkeypatch):
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    before = len(_modules("gluon"))
+    _run(name, shape, DTYPES[dt], f"gluon-{name}-{shape}-{dt}")
+    if name in GLUON_VARIANTS:
+        assert _modules("gluon"), "the forced Gluon tier did not run"
+    else:
+        assert len(_modules("gluon")) == before, "a mask reading tensors must keep the Triton tier"
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_gluon_and_triton_tiers_agree(dt, monkeypatch):
+    """The portable tier is the oracle: both tiers on the same inputs, within the dtype's rounding."""
+    dtype = DTYPES[dt]
+    for name in GLUON_VARIANTS:
+        outs = []
+        for tier in ("gluon", "triton"):
+            monkeypatch.setenv("ATTNCC_TIER", tier)
+            outs.append(_run(name, "gqa8:2-1000", dtype, f"agree-{name}-{dt}"))
+        err = ((outs[0][0].double() - outs[1][0].double()).norm() / outs[1][0].double().norm()).item()
+        assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"{name}: tiers differ by {err:.2e}"
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_gluon_fully_masked_rows_and_blhd_views(dt, monkeypatch):
+    """Rows whose every key is masked give 0 and lse -inf; (B, L, H, D) views go through 4-D
+    descriptors with their strides."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    dtype = DTYPES[dt]
+    torch.manual_seed(3)
+    B, L, H, D = 2, 777, 4, 128
+    q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
+    mask = lambda b, h, q_idx, kv_idx: (q_idx < 300) & (kv_idx <= q_idx) | (q_idx > 600) & (kv_idx > 500)  # noqa: E731
+    out, lse = attncc.attention(q, k, v, None, mask, return_lse=True)
+    ref, ref_lse = reference_on_gpu(q, k, v, None, mask)
+    assert_close_to_reference(out, lse, ref, ref_lse, dtype)
+    assert torch.isneginf(lse[:, :, 300:601]).all() and (out[:, :, 300:601] == 0).all()
+    assert _modules("gluon")
+
+
+def test_gluon_forward_feeds_the_backward(monkeypatch):
+    """A learnable relative-position table: the Gluon forward's output and lse drive the Triton
+    tier's backward; gradients equal those after a Triton-tier forward."""
+    grads = []
+    for tier in ("gluon", "triton"):
+        monkeypatch.setenv("ATTNCC_TIER", tier)
+        torch.manual_seed(5)
+        B, H, L, D = 2, 4, 1000, 128
+        table = (0.5 * torch.randn(H, 2 * L, device="cuda")).requires_grad_()
+        mod = lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L]  # noqa: E731
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = attncc.attention(q, k, v, mod, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+        out.float().square().sum().backward()
+        grads.append([t.grad.double() for t in (q, k, v, table)])
+    for name, g, w in zip(("dq", "dk", "dv", "dtable"), *grads):
+        err = ((g - w).norm() / w.norm()).item()
+        assert torch.isfinite(g).all() and err < 2e-2, f"{name}: {err:.2e}"
+
