@@ -78,10 +78,11 @@ def test_source_lands_under_cache_dir(attncc_cache_dir):
 
 def test_source_text():
     kernel = _alibi_kernel()
-    src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128)
-    assert "@triton.jit" in src and "def attn_fwd(" in src and "def launch(" in src
-    assert "bfloat16" in src and "head_dim=128" in src
-    compile(src, "<generated>", "exec")  # valid Python
+    for d, decorator in ((128, "@gluon.jit"), (64, "@triton.jit")):  # sm90: the Gluon tier at head dim 128
+        src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=d, target="cuda-sm90")
+        assert decorator in src and "def attn_fwd(" in src and "def launch(" in src
+        assert "bfloat16" in src and f"head_dim={d}" in src
+        compile(src, "<generated>", "exec")  # valid Python
     interp = kernel.source("fwd", dtype=torch.float32, head_dim=64, target="interpreter")
     assert "def attn_fwd(" in interp and "float32" in interp and "target=interpreter" in interp
 
