@@ -8,9 +8,10 @@ from .api import (CompiledAttention, attention, attention_varlen, attention_with
 from .inference import merge_states  # noqa: E402
 from .kvcache import KVCache, PagedKVCache  # noqa: E402
 from .errors import AttnccError, ModTraceError  # noqa: E402
+from .flex import flex_attention  # noqa: E402
 from .variant import Variant  # noqa: E402
 from . import nn  # noqa: E402,F401  (attncc.nn.Attention)
 
 __all__ = ["attention", "compile", "dropout_mask", "Variant", "CompiledAttention", "AttnccError", "ModTraceError",
            "ir", "reference", "__version__", "attention_with_kvcache", "attention_varlen",
-           "KVCache", "PagedKVCache", "merge_states", "nn"]
+           "KVCache", "PagedKVCache", "merge_states", "nn", "flex_attention"]

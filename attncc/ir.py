@@ -46,6 +46,20 @@ BINARY = {
     "lt": "bool", "le": "bool", "gt": "bool", "ge": "bool", "eq": "bool", "ne": "bool",
     "and": "logic", "or": "logic", "xor": "logic",
 }
+# The math and rounding functions and integer shifts FlexAttention mods use besides the core ops
+# above (same rules). Kept in tables of their own: tests/test_trace.py's table of traced cases
+# covers UNARY and BINARY, tests/test_flex_compat.py covers these.
+UNARY_MATH = {
+    "sin": "float", "cos": "float", "tan": "float", "atan": "float", "erf": "float",
+    "log1p": "float", "expm1": "float",
+    "sign": "same", "round": "same", "ceil": "same", "trunc": "same",  # round: half to even, as torch
+}
+BINARY_MATH = {
+    "fmod": "promote",                    # remainder with the sign of the dividend (C's fmod)
+    "lshift": "shift", "rshift": "shift",  # integer << and >> (arithmetic)
+}
+# on integers these are the identity: no node is made
+INT_IDENTITY = {"round", "ceil", "trunc"}
 LEAVES = ("score", "b", "h", "q_idx", "kv_idx")
 # dtypes a captured tensor may have: Triton loads them on every target, the interpreter included
 # (float8 fails in the interpreter and before sm89; uint32/64 do not fit the int32 index math)
@@ -131,6 +145,10 @@ class Node:
     def __ror__(self, o): return binary("or", o, self)
     def __xor__(self, o): return binary("xor", self, o)
     def __rxor__(self, o): return binary("xor", o, self)
+    def __lshift__(self, o): return binary("lshift", self, o)
+    def __rlshift__(self, o): return binary("lshift", o, self)
+    def __rshift__(self, o): return binary("rshift", self, o)
+    def __rrshift__(self, o): return binary("rshift", o, self)
     def __neg__(self): return unary("neg", self)
     def __invert__(self): return unary("invert", self)
     def __abs__(self): return unary("abs", self)
@@ -174,24 +192,33 @@ def _result_type(op: str, rule: str, types: list[str]) -> str:
         if all(t in (INT, BOOL) for t in types):
             return INT
         raise AttnccError(f"'{op}' (&, |, ^, ~) needs bool or int operands, got {' and '.join(types)}")
+    if rule == "shift":
+        if all(t in (INT, BOOL) for t in types):
+            return INT
+        raise AttnccError(f"'{op}' (<<, >>) needs integer operands, got {' and '.join(types)}; shift integers "
+                          "(q_idx, kv_idx, .long() values), or multiply a float by a power of two")
     top = max(types, key=_rank)
     return FLOAT if top == FLOAT else INT
 
 
 def unary(op: str, x) -> Node:
-    """IR node for the unary operation ``op`` (a key of ``UNARY``) of ``x``, type-checked."""
+    """IR node for the unary operation ``op`` (a key of ``UNARY`` or ``UNARY_MATH``) of ``x``,
+    type-checked."""
     x = const(x)
-    return Node(op, (x,), None, _result_type(op, UNARY[op], [x.type]))
+    t = _result_type(op, UNARY[op] if op in UNARY else UNARY_MATH[op], [x.type])
+    if op in INT_IDENTITY and t == INT:
+        return x
+    return Node(op, (x,), None, t)
 
 
 def binary(op: str, x, y) -> Node:
-    """IR node for the binary operation ``op`` (a key of ``BINARY``) of ``x`` and ``y``; Python
-    numbers become constants, int operands of a float operation are promoted."""
+    """IR node for the binary operation ``op`` (a key of ``BINARY`` or ``BINARY_MATH``) of ``x``
+    and ``y``; Python numbers become constants, int operands of a float operation are promoted."""
     x, y = const(x), const(y)
-    if op in ("truediv", "floordiv", "mod") and y.op == "const" and y.value == 0:
-        raise AttnccError(f"{to_text(x)} {_SYMBOLS[op]} 0 divides by zero; a mod must divide by a non-zero "
+    if op in ("truediv", "floordiv", "mod", "fmod") and y.op == "const" and y.value == 0:
+        raise AttnccError(f"{to_text(x)} {_SYMBOLS.get(op, op)} 0 divides by zero; a mod must divide by a non-zero "
                           "number (torch.where can select another value where a divisor is 0)")
-    return Node(op, (x, y), None, _result_type(op, BINARY[op], [x.type, y.type]))
+    return Node(op, (x, y), None, _result_type(op, BINARY[op] if op in BINARY else BINARY_MATH[op], [x.type, y.type]))
 
 
 def where(cond, x, y) -> Node:
@@ -263,6 +290,53 @@ def _make_binary(op):
 exp, exp2, log, log2, tanh, sigmoid, sqrt, rsqrt, floor = (
     _make_unary(o) for o in ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "floor"))
 minimum, maximum, eq, ne = (_make_binary(o) for o in ("minimum", "maximum", "eq", "ne"))
+sin, cos, tan, atan, erf, log1p, expm1, sign, round, ceil, trunc = (
+    _make_unary(o) for o in ("sin", "cos", "tan", "atan", "erf", "log1p", "expm1", "sign", "round", "ceil", "trunc"))
+fmod, lshift, rshift = (_make_binary(o) for o in ("fmod", "lshift", "rshift"))
+
+
+# Activations, written with the nodes above: their derivatives, kernels and reference follow
+# from those of the parts (torch's definitions; where() selects as torch's branches do).
+def relu(x) -> Node:
+    """``torch.relu``: x where x > 0, else 0 (gradient 0 at 0, as in torch)."""
+    x = const(x)
+    return where(binary("gt", x, 0), x, 0)
+
+
+def leaky_relu(x, negative_slope=0.01) -> Node:
+    x = const(x)
+    return where(binary("gt", x, 0), x, binary("mul", x, negative_slope))
+
+
+def elu(x, alpha=1.0) -> Node:
+    x = const(x)
+    return where(binary("gt", x, 0), x, binary("mul", unary("expm1", x), alpha))
+
+
+def silu(x) -> Node:
+    """``F.silu``: x * sigmoid(x)."""
+    x = const(x)
+    return binary("mul", x, unary("sigmoid", x))
+
+
+def gelu(x, approximate: str = "none") -> Node:
+    """``F.gelu``: x * Phi(x) with the erf (``approximate='none'``) or the tanh form."""
+    x = const(x)
+    if approximate == "tanh":
+        cube = binary("mul", x, binary("mul", x, x))
+        inner = binary("mul", math.sqrt(2.0 / math.pi), binary("add", x, binary("mul", 0.044715, cube)))
+        return binary("mul", binary("mul", 0.5, x), binary("add", 1.0, unary("tanh", inner)))
+    if approximate != "none":
+        raise AttnccError(f"gelu(approximate={approximate!r}): torch takes 'none' or 'tanh'")
+    return binary("mul", binary("mul", 0.5, x), binary("add", 1.0, unary("erf", binary("mul", x, math.sqrt(0.5)))))
+
+
+def softplus(x, beta=1.0, threshold=20.0) -> Node:
+    """``F.softplus``: log1p(exp(beta * x)) / beta, and x itself where beta * x > threshold."""
+    x = const(x)
+    bx = x if beta == 1 else binary("mul", x, beta)
+    soft = unary("log1p", unary("exp", bx))
+    return where(binary("gt", bx, threshold), x, soft if beta == 1 else binary("truediv", soft, beta))
 
 
 def clamp(x, lo=None, hi=None) -> Node:
@@ -304,7 +378,7 @@ def captures(*roots: Node | None) -> tuple[Capture, ...]:
 
 _SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
             "pow": "**", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
-            "and": "&", "or": "|", "xor": "^"}
+            "and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>"}
 
 
 def to_text(n: Node, names: dict | None = None) -> str:

@@ -210,8 +210,9 @@ def _offset_and_bounds(index, capture, printer_, at_positions=True):
     """Offset and bounds checks of a gradient's atomic add; none where the index is at the tile's
     positions and stays inside the tensor there (``printer.in_range``). The diagonal sums add at
     points (q_diag, kv_first) off the tile, which keep their checks."""
-    offset = " + ".join(f"({printer_.doprint(i)}).to(tl.int64) * dcap{capture}_stride{d}"
-                        for d, i in enumerate(index)) or "0"
+    offset = " + ".join((f"{printer_.doprint(i)} * dcap{capture}_stride{d}" if i.is_Integer else
+                         f"({printer_.doprint(i)}).to(tl.int64) * dcap{capture}_stride{d}")
+                        for d, i in enumerate(index)) or "0"  # a constant index as printer._load has it
     bounds = [] if at_positions and printer_.in_range(capture) else [
         f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{capture}_size{d})" for d, i in enumerate(index)]
     return offset, bounds
@@ -264,6 +265,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     if keep is not None:
         outputs.append(("keep", keep))
     grads = ()
+    dscore_one = f.score_bias  # d score_mod / d score == 1: the backward reads no dscore
     interp = spec.target == "interpreter"
     gluon = kernel == "fwd" and spec.tier == "gluon"
     lang = "gl" if gluon else "tl"
@@ -273,7 +275,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         fns = {"attn_kv": {KV}}
     else:
         derived = derive_pass.derive(analysis.score, spec.learnable)
-        if not f.score_identity and derived.dscore != 1:
+        dscore_one = f.score_identity or derived.dscore == 1  # score + floor(score): 1, not a bias
+        if not dscore_one:
             outputs.append(("dscore", printer.float_positions(derived.dscore)))
         outputs += [(f"dcap{j}", printer.float_positions(g.derivative)) for j, g in enumerate(derived.loads)]
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
@@ -316,7 +319,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         block_d=pow2(spec.head_dim), block_dv=pow2(spec.head_dim_v), group=spec.group,
         dot_precision="ieee" if spec.dtype == "float32" else "tf32",
         score_text=str(analysis.score), mask_text=str(analysis.mask),
-        score_identity=f.score_identity, dscore_one=f.score_bias, captures=caps,
+        score_identity=f.score_identity, dscore_one=dscore_one, captures=caps,
         fold_scale=f.score_identity and spec.positive_scale and (gluon or kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
         tiles=gluon_tiles(spec) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},

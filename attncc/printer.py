@@ -208,7 +208,75 @@ class TritonPrinter(StrPrinter):
 
     def _print_sign(self, e):
         x = self._print(e.args[0])
+        if e.args[0].is_integer:
+            return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0))"
         return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
+
+    # Math functions of FlexAttention mods (attncc.ir.UNARY_MATH). Where Triton has no function of
+    # its own, CUDA targets call libdevice (imported by templates/header.py.jinja on GPUs only) and
+    # the interpreter, which has no libdevice, gets an equivalent expression.
+
+    def _print_sin(self, e):
+        return self._fcall("tl.sin", e.args[0])
+
+    def _print_cos(self, e):
+        return self._fcall("tl.cos", e.args[0])
+
+    def _print_tan(self, e):
+        return f"({self._fcall('tl.sin', e.args[0])} / {self._fcall('tl.cos', e.args[0])})"
+
+    def _print_erf(self, e):
+        return self._fcall("tl.erf", e.args[0])
+
+    def _print_ceiling(self, e):
+        return self._fcall("tl.ceil", e.args[0])
+
+    def _print_atan(self, e):
+        # the interpreter's _atan is templates/header.py.jinja's (Cephes' atanf, error ~1e-7)
+        return self._fcall("libdevice.atan" if not self.interpreter else "_atan", e.args[0])
+
+    def _print_log1p(self, e):
+        if not self.interpreter:
+            return self._fcall("libdevice.log1p", e.args[0])
+        # Goldberg's log1p: log(u) * x / (u - 1) with u = 1 + x rounded, within a few ulps
+        x = self._fcall("", e.args[0])
+        u = f"(1.0 + {x})"
+        return f'tl.where({u} == 1.0, {x}, tl.where({u} == float("inf"), {u}, tl.log({u}) * {x} / ({u} - 1.0)))'
+
+    def _print_expm1(self, e):
+        if not self.interpreter:
+            return self._fcall("libdevice.expm1", e.args[0])
+        # Kahan's expm1: (u - 1) * x / log(u) with u = exp(x) rounded
+        x = self._fcall("", e.args[0])
+        u = self._fcall("tl.exp", e.args[0])
+        return (f'tl.where({u} == 1.0, {x}, tl.where(({u} == float("inf")) | ({u} - 1.0 == -1.0), {u} - 1.0, '
+                f"({u} - 1.0) * {x} / tl.log({u})))")
+
+    def _print_rint(self, e):
+        if not self.interpreter:
+            return self._fcall("libdevice.rint", e.args[0])
+        # ties to even: floor(x + 0.5), one less where x was a tie below an odd r; from 2**23 on
+        # every float32 is an integer (and x + 0.5 would round)
+        x = self._fcall("", e.args[0])
+        r = f"tl.floor({x} + 0.5)"
+        tie_to_odd = f"({r} - {x} == 0.5) & ({r} % 2.0 != 0.0)"
+        return f"tl.where(tl.abs({x}) >= 8388608.0, {x}, tl.where({tie_to_odd}, {r} - 1.0, {r}))"
+
+    def _print_fmod(self, e):
+        a, b = e.args
+        if a.is_integer and b.is_integer:  # C's %, which Triton's % on integers is; a fmod 0 is a
+            at, bt = self._print(a), self._print(b)
+            if b.is_zero is False:
+                return f"(({at}) % ({bt}))"
+            return f"tl.where({bt} == 0, {at}, ({at}) % tl.where({bt} == 0, 1, {bt}))"
+        as_float = lambda x: repr(float(x)) if x.is_Number else self._fcall("", x)  # noqa: E731
+        return f"({as_float(a)} % {as_float(b)})"  # Triton's % on floats is C's fmod (frem)
+
+    def _print_lshift(self, e):
+        return f"({self._print(e.args[0])} << {self._print(e.args[1])})"
+
+    def _print_rshift(self, e):
+        return f"({self._print(e.args[0])} >> {self._print(e.args[1])})"
 
     def _print_bit_not(self, e):
         return f"(~{self._print(e.args[0])})"

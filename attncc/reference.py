@@ -17,7 +17,9 @@ from .variant import Variant
 _UNARY = {
     "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
     "log2": torch.log2, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt,
-    "rsqrt": torch.rsqrt,
+    "rsqrt": torch.rsqrt, "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "atan": torch.atan,
+    "erf": torch.erf, "log1p": torch.log1p, "expm1": torch.expm1, "sign": torch.sign,
+    "round": torch.round, "ceil": torch.ceil, "trunc": torch.trunc,
 }
 
 
@@ -37,11 +39,20 @@ def _mod(a, b):
     return torch.where(zero, a, torch.remainder(a, torch.where(zero, 1, b)))
 
 
+def _fmod(a, b):
+    """torch.fmod (the sign of the dividend), with a fmod 0 = a on integers."""
+    if a.is_floating_point():
+        return torch.fmod(a, b)
+    zero = b == 0
+    return torch.where(zero, a, torch.fmod(a, torch.where(zero, 1, b)))
+
+
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.div,
     "floordiv": _floordiv, "mod": _mod,
     "pow": torch.pow, "minimum": torch.minimum, "maximum": torch.maximum,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+    "fmod": _fmod, "lshift": torch.bitwise_left_shift, "rshift": torch.bitwise_right_shift,
 }
 _LOGIC = {"and": (torch.logical_and, torch.bitwise_and), "or": (torch.logical_or, torch.bitwise_or),
           "xor": (torch.logical_xor, torch.bitwise_xor)}

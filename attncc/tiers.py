@@ -38,9 +38,19 @@ def gluon_available() -> bool:
     return (major, minor) >= (3, 6)
 
 
+# ops the printer writes as libdevice calls on GPUs (attncc.printer), which the Gluon header lacks
+LIBDEVICE_OPS = ("atan", "log1p", "expm1", "round")
+
+
 def _mask_reads_tensors(variant) -> bool:
     from . import ir
     return variant.mask_ir is not None and any(n.op == "load" for n in ir.walk(variant.mask_ir))
+
+
+def _libdevice_ops(variant) -> list:
+    from . import ir
+    roots = [r for r in (variant.score_ir, variant.mask_ir) if r is not None]
+    return sorted({n.op for r in roots for n in ir.walk(r) if n.op in LIBDEVICE_OPS})
 
 
 _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
@@ -87,4 +97,7 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
         return "dropout: the Gluon tier has no dropout yet"
     if _mask_reads_tensors(variant):
         return "the mask reads captured tensors (block-sparse tile lists): the Gluon tier derives bounds only"
+    ops = _libdevice_ops(variant)
+    if ops:
+        return f"the mods use {', '.join(ops)}, which the Triton tier computes with libdevice"
     return None

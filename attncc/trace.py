@@ -10,6 +10,7 @@ mod, the line and the fix.
 from __future__ import annotations
 
 import inspect
+import linecache
 import os
 import threading
 
@@ -20,6 +21,7 @@ from .errors import AttnccError, ModTraceError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_TORCH_HELPERS = os.path.join(_TORCH_DIR, "nn", "attention")  # FlexAttention's and_masks, noop_mask, ...
 
 # torch function name (torch.X, Tensor.X or Tensor.__X__, underscores stripped) -> IR builder.
 _FUNCS = {
@@ -65,10 +67,45 @@ _FUNCS = {
     "long": lambda x: ir.cast(x, ir.INT), "int": lambda x: ir.cast(x, ir.INT),
     "bool": lambda x: ir.cast(x, ir.BOOL),
     "to": lambda x, *a, **k: _to(x, *a, **k), "type_as": lambda x, other: _to(x, other.dtype),
+    # math and rounding functions (ir.UNARY_MATH / BINARY_MATH) under torch's names
+    "sin": ir.sin, "cos": ir.cos, "tan": ir.tan, "atan": ir.atan, "arctan": ir.atan,
+    "erf": ir.erf, "special_erf": ir.erf, "log1p": ir.log1p, "special_log1p": ir.log1p,
+    "expm1": ir.expm1, "special_expm1": ir.expm1, "special_expit": ir.sigmoid,
+    "sign": ir.sign, "sgn": ir.sign, "round": lambda x, decimals=0: _round(x, decimals), "ceil": ir.ceil,
+    "trunc": ir.trunc, "fix": ir.trunc, "fmod": ir.fmod, "square": lambda x: ir.binary("mul", x, x),
+    "reciprocal": lambda x: ir.binary("truediv", 1.0, x),
+    "lshift": ir.lshift, "rlshift": lambda x, y: ir.lshift(y, x), "bitwise_left_shift": ir.lshift,
+    "rshift": ir.rshift, "rrshift": lambda x, y: ir.rshift(y, x), "bitwise_right_shift": ir.rshift,
+    # activations (torch.nn.functional and torch), composed of the ops above (attncc.ir)
+    "relu": lambda x, inplace=False: ir.relu(x), "silu": lambda x, inplace=False: ir.silu(x),
+    "gelu": lambda x, approximate="none": ir.gelu(x, approximate),
+    "softplus": lambda x, beta=1.0, threshold=20.0: ir.softplus(x, _number(beta), _number(threshold)),
+    "leaky_relu": lambda x, negative_slope=0.01, inplace=False: ir.leaky_relu(x, _number(negative_slope)),
+    "elu": lambda x, alpha=1.0, inplace=False: ir.elu(x, _number(alpha)),
 }
-SUPPORTED = sorted({"+ - * / // % ** unary- abs < <= > >= == != & | ^ ~"} | set(_FUNCS) - {
+# functions that make a value rather than compute one: FlexAttention's helpers (and_masks,
+# noop_mask) start from b.new_ones((), dtype=torch.bool); a one-element result is a constant
+_FACTORY_NAMES = ("new_ones", "new_zeros", "new_full", "new_tensor", "ones_like", "zeros_like", "full_like",
+                  "ones", "zeros", "full", "tensor", "scalar_tensor", "as_tensor")
+SUPPORTED = sorted({"+ - * / // % ** << >> unary- abs < <= > >= == != & | ^ ~"} | set(_FUNCS) | set(_FACTORY_NAMES) - {
     "radd", "rmul", "rsub", "rtruediv", "rdiv", "rfloordiv", "rmod", "rpow", "rand", "ror", "rxor", "and", "or", "xor",
-    "truediv", "floordiv"})
+    "truediv", "floordiv", "lshift", "rshift", "rlshift", "rrshift"})
+
+
+def _number(v):
+    """A parameter that must be a Python number (softplus's beta, ...), not a traced value."""
+    if isinstance(v, ir.Node):
+        if v.op == "const" and not isinstance(v.value, bool):
+            return v.value
+        raise AttnccError("this parameter must be a Python number, not a traced value")
+    return v
+
+
+def _round(x, decimals):
+    if decimals != 0:
+        raise AttnccError(f"torch.round(decimals={decimals}) is not supported in a mod; scale first: "
+                          f"torch.round(x * 10**{decimals}) / 10**{decimals}")
+    return ir.round(x)
 
 
 def _div(x, y, rounding_mode):
@@ -92,6 +129,120 @@ def _to(x, *args, **kwargs):
     return ir.cast(x, ir.FLOAT if dtype.is_floating_point else ir.INT)
 
 
+_KIND_OF_DTYPE = {torch.bool: ir.BOOL}
+# the dtypes a traced value reports: FlexAttention passes b, h, q_idx, kv_idx as int32 tensors
+_DTYPE_OF_KIND = {ir.FLOAT: torch.float32, ir.INT: torch.int32, ir.BOOL: torch.bool}
+
+
+def _kind(dtype, default: str) -> str:
+    if dtype is None:
+        return default
+    if not isinstance(dtype, torch.dtype):
+        raise AttnccError(f"dtype must be a torch.dtype, got {dtype!r}")
+    return _KIND_OF_DTYPE.get(dtype) or (ir.FLOAT if dtype.is_floating_point else ir.INT)
+
+
+def _kind_of(value) -> str:
+    """The kind torch gives a tensor made from ``value`` (torch.tensor(3) is int64, ...)."""
+    if isinstance(value, Proxy):
+        return value.node.type
+    if isinstance(value, bool):
+        return ir.BOOL
+    if isinstance(value, int):
+        return ir.INT
+    if isinstance(value, torch.Tensor):
+        return _kind(value.dtype, ir.FLOAT)
+    return ir.FLOAT
+
+
+def _scalar_size(size) -> bool:
+    """Whether a factory's size makes one element: (), [], 1, (1,), (1, 1), ..."""
+    dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+    return all(isinstance(d, int) and not isinstance(d, bool) and d == 1 for d in dims)
+
+
+def _value(value, kind: str, what: str):
+    """A factory's fill value as an IR node of ``kind`` (a constant, or a traced value cast)."""
+    if isinstance(value, Proxy):
+        return ir.cast(value.node, kind)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if value.dim():
+            value = value.reshape(())
+        return ir.cast(ir.load(_capture(value)), kind)  # a captured tensor stays a runtime argument
+    if not isinstance(value, (bool, int, float)):
+        raise AttnccError(f"{what} of a {type(value).__name__} in a mod: use a Python number or a traced value")
+    try:
+        cast = {ir.BOOL: bool, ir.INT: int, ir.FLOAT: float}[kind](value)
+    except (OverflowError, ValueError):
+        raise AttnccError(f"{what}: {value!r} does not fit the integer dtype asked for; use a float dtype") from None
+    return ir.const(cast)
+
+
+def _factory(name: str, args: tuple, kwargs: dict):
+    """A factory call inside a mod, as a Proxy when it makes one element; None when it makes a
+    real tensor (torch.arange(4) in a mod is an ordinary captured tensor)."""
+    try:
+        return _make(name, args, kwargs)
+    except AttnccError as e:
+        if type(e) is not AttnccError:
+            raise
+        raise _located(e) from None
+
+
+def _make(name: str, args: tuple, kwargs: dict):
+    dtype = kwargs.get("dtype")
+    if name in ("new_ones", "new_zeros", "new_full", "new_tensor", "ones_like", "zeros_like", "full_like"):
+        self, rest = args[0], args[1:]
+        default = _kind_of(self)
+        if name == "new_tensor" or name.endswith("_like"):
+            fill = {"ones_like": 1, "zeros_like": 0}.get(name)
+            if fill is None:
+                fill = rest[0] if rest else kwargs.get("data", kwargs.get("fill_value"))
+            if name == "new_tensor" and dtype is None:
+                default = _kind_of(fill)
+            return Proxy(_value(fill, _kind(dtype, default), f"{name}()"))
+        size = rest[:1] if name == "new_full" else rest
+        size = size or (kwargs.get("size", ()),)
+        if not _scalar_size(size):
+            raise AttnccError(f"{name} makes a tensor of size {size}; a mod computes one score at a time: make "
+                              "a one-element value (size=())")
+        fill = {"new_ones": 1, "new_zeros": 0}.get(name)
+        if fill is None:
+            fill = rest[1] if len(rest) > 1 else kwargs.get("fill_value")
+        return Proxy(_value(fill, _kind(dtype, default), f"{name}()"))
+    # torch.ones / zeros / full / tensor / scalar_tensor / as_tensor
+    if name in ("tensor", "scalar_tensor", "as_tensor"):
+        data = args[0] if args else kwargs.get("data", kwargs.get("s"))
+        if not isinstance(data, (Proxy, bool, int, float)):
+            return None
+        return Proxy(_value(data, _kind(dtype, _kind_of(data)), f"torch.{name}()"))
+    size = args[:1] if name == "full" else args
+    size = size or (kwargs.get("size", ()),)
+    if not _scalar_size(size):
+        return None
+    if name == "full":
+        fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
+        default = _kind_of(fill)
+    else:
+        fill, default = (1 if name == "ones" else 0), ir.FLOAT
+    return Proxy(_value(fill, _kind(dtype, default), f"torch.{name}()"))
+
+
+class _Factories(torch.overrides.TorchFunctionMode):
+    """Active while a mod is traced: torch.ones(()), torch.tensor(2.0), torch.full((), x) ... made
+    inside a mod become constants (or the traced value they wrap) instead of captured tensors;
+    every other torch call goes on to the proxies' __torch_function__ or to torch."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("ones", "zeros", "full", "tensor", "scalar_tensor", "as_tensor"):
+            made = _factory(name, args, kwargs)
+            if made is not None:
+                return made
+        return func(*args, **kwargs)
+
+
 class _Tracing(threading.local):
     """What this thread's trace is doing: which mod (for error messages) and the Python names
     under which it sees tensors (for explain and comments). Per thread: threads trace at once."""
@@ -105,14 +256,20 @@ _tracing = _Tracing()
 
 
 def _user_line(frame=None) -> str:
-    """'file:line: code' of the innermost frame outside attncc and torch (from ``frame`` out)."""
+    """'file:line: code' of the innermost frame outside attncc and torch (from ``frame`` out); when
+    a FlexAttention helper of torch's (and_masks, or_masks, ...) lies on the way, it is named too."""
     frame = frame or inspect.currentframe()
+    helper = None
     while frame is not None:
         fname = os.path.abspath(frame.f_code.co_filename)
+        if helper is None and fname.startswith(_TORCH_HELPERS):
+            name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # Python >= 3.11 has the qualname
+            helper = f"torch's {name} at {fname}:{frame.f_lineno}"
         if not fname.startswith(_HERE) and not fname.startswith(_TORCH_DIR):
             info = inspect.getframeinfo(frame)
             code = (info.code_context or [""])[0].strip()
-            return f"{fname}:{info.lineno}: {code}"
+            where = f"{fname}:{info.lineno}: {code}"
+            return where if helper is None else f"{where} (through {helper})"
         frame = frame.f_back
     return "<unknown line>"
 
@@ -222,6 +379,8 @@ class Proxy:
         if name == "__getitem__":
             return _index(args[0], args[1])
         key = name.strip("_")
+        if key in _FACTORY_NAMES:
+            return _factory(key, args, kwargs)
         builder = _FUNCS.get(key)
         if builder is None:
             raise AttnccError(
@@ -254,7 +413,11 @@ class Proxy:
                "abs", "neg", "clamp", "clip", "minimum", "maximum", "to", "type_as", "float",
                "double", "half", "bfloat16", "long", "int", "bool", "logical_and", "logical_or",
                "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not",
-               "lt", "le", "gt", "ge", "eq", "ne", "add", "sub", "mul", "div", "pow", "remainder"):
+               "lt", "le", "gt", "ge", "eq", "ne", "add", "sub", "mul", "div", "pow", "remainder",
+               "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "sin", "cos", "tan", "atan", "arctan",
+               "erf", "log1p", "expm1", "sign", "sgn", "round", "ceil", "trunc", "fix", "fmod", "square",
+               "reciprocal", "relu", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift",
+               "new_ones", "new_zeros", "new_full", "new_tensor"):
         locals()[_n] = _op(_n)
     del _n, _op
 
@@ -272,7 +435,39 @@ class Proxy:
                             "torch.sqrt, torch.tanh, ...) and x.float() for a conversion.")
 
     def __round__(self, ndigits=None):
-        _control_flow_error("round()", "use torch.floor(x + 0.5) to round a traced value.")
+        _control_flow_error("round()", "use torch.round(x) to round a traced value (ties to even, as Python's round; "
+                            "torch.floor(x + 0.5) rounds ties up).")
+
+    def __floor__(self):
+        return _wrap(ir.floor(self.node))
+
+    def __ceil__(self):
+        return _wrap(ir.ceil(self.node))
+
+    def __trunc__(self):
+        return _wrap(ir.trunc(self.node))
+
+    def __pos__(self):
+        return self
+
+    # What a 0-d tensor reports: mods read these to build values of the same kind
+    # (torch.finfo(score.dtype).min, b.new_ones((), device=b.device), x.to(score.dtype)).
+    @property
+    def dtype(self):
+        return _DTYPE_OF_KIND[self.node.type]
+
+    @property
+    def device(self):
+        return None  # any: constants and casts made inside a mod have no device
+
+    def is_floating_point(self):
+        return self.node.type == ir.FLOAT
+
+    def item(self):
+        _control_flow_error("item() or tolist()", "A mod's arguments are traced, not numbers: keep computing with "
+                            "them as tensors (torch.where instead of if, x.float() instead of float(x)).")
+
+    tolist = item
 
     def __complex__(self):
         _control_flow_error("complex()", "attncc mods compute with real numbers only.")
@@ -344,13 +539,68 @@ def trace(fn, kind: str) -> ir.Node:
     _tracing.mod = fn
     _tracing.names.update(_name_captures(fn))
     try:
-        out = fn(*[Proxy(n) for n in leaves])
+        try:
+            with _Factories():
+                out = fn(*[Proxy(n) for n in leaves])
+        except AttnccError:
+            raise
+        except Exception as e:  # Python or torch refused something the mod did: say where, and what works
+            raise ModTraceError(_untraceable(e, kind)) from e
         _check_result(out, kind)
         node = _node(out)
     finally:
         _tracing.mod = previous
         _tracing.names.clear()
     return _checked(node, kind)
+
+
+def _frames(tb):
+    """(file, line, function, code) of each frame of a traceback, outermost first."""
+    out = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        fname = os.path.abspath(code.co_filename)
+        line = tb.tb_lineno
+        text = (linecache.getline(fname, line) or "").strip()
+        out.append((fname, line, code.co_name, text))
+        tb = tb.tb_next
+    return out
+
+
+_HINTS = (
+    (TypeError, "unsupported operand", "this operator has no meaning on a traced scalar (no @, divmod or "
+                "sequence operations); write it with + - * / // % ** << >> & | ^ ~ and torch functions"),
+    (TypeError, "unhashable", "traced values cannot be dict keys or set members; look values up in a captured "
+                "tensor (table[q_idx]) or select with torch.where"),
+    (TypeError, "", "call torch functions with the mod's arguments and Python numbers"),
+    (AttributeError, "", "inside a mod each argument is a 0-d tensor: use operators and torch functions on it"),
+    ((IndexError, KeyError), "", "index captured tensors with one integer expression per dimension "
+                                 "(bias[h, q_idx - kv_idx]); Python sequences cannot be indexed by traced values"),
+    (Exception, "", "write the mod with operators, torch.where and the supported torch functions"),
+)
+
+
+def _untraceable(e: Exception, kind: str) -> str:
+    """The message for an exception a mod raised while being traced: the mod, the failing line
+    (when it failed inside one of torch's FlexAttention helpers, that frame and the user's line
+    that led there), and what to write instead."""
+    frames = _frames(e.__traceback__)
+    user = [f for f in frames if not f[0].startswith(_HERE) and not f[0].startswith(_TORCH_DIR)]
+    fn = _tracing.mod
+    code = getattr(fn, "__code__", None)
+    defined = f" (defined at {os.path.abspath(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
+    head = f"{kind} {_mod_name()}{defined} cannot be traced: {type(e).__name__}: {e}"
+    last = frames[-1] if frames else None
+    if last is not None and last in user:
+        at = f"\n  at {last[0]}:{last[1]}: {last[3]}"
+    else:
+        helper = next((f for f in reversed(frames) if f[0].startswith(_TORCH_HELPERS)), last)
+        owner = "attncc's" if helper and helper[0].startswith(_HERE) else "torch's"
+        inside = f"\n  inside {owner} {helper[2]} at {helper[0]}:{helper[1]}: {helper[3]}" if helper else ""
+        caller = f"{user[-1][0]}:{user[-1][1]}: {user[-1][3]}" if user else _user_line()
+        at = f"{inside}\n  called from {caller}"
+    hint = next(h for types, needle, h in _HINTS if isinstance(e, types) and needle in str(e))
+    return f"{head}{at}\nMods are traced once with proxy values: {hint}. Supported: {', '.join(SUPPORTED)}"
 
 
 def _check_result(out, kind: str) -> None:

@@ -5,6 +5,10 @@ tests/test_gpu_gluon.py."""
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +22,9 @@ GLUON_VARIANTS = [n for n in NAMES if n != "document"]
 
 
 def _variant(name, H=4, L=1000):
+    if name == "trig":
+        return attncc.Variant(lambda s, b, h, q, k: s + torch.sin(s) * torch.cos(0.5 * s)
+                              + torch.sigmoid(s), BUILDERS["causal"](2, H, L, L, "cpu")[1])
     return attncc.Variant(*BUILDERS[name](2, H, L, L, "cpu"))
 
 
@@ -37,6 +44,9 @@ def test_tier_choice(monkeypatch):
         assert tier == "triton" and why in reason, (args, reason)
     tier, reason = tiers.choose(_variant("document"), "cuda-sm90", "bfloat16", 128, 128, False)
     assert tier == "triton" and "captured tensors" in reason
+    tier, reason = tiers.choose(attncc.Variant(lambda s, b, h, q, k: s + torch.atan(s)), "cuda-sm90", "bfloat16",
+                                128, 128, False)
+    assert tier == "triton" and "atan" in reason
     q = torch.zeros(1, 2, 8, 256, dtype=torch.bfloat16)[..., ::2]  # head-dim stride 2: no TMA box
     tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, (q, q, q))
     assert tier == "triton" and "TMA" in reason
@@ -71,47 +81,61 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
 
 
-def _compile_for_sm90(module, d: int, group: int, dtype, captures):
-    """triton.compile of the module's attn_fwd for sm90 with CPU arguments (no launch)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-    B, H, Lq, Lkv = 2, 2 * group, 300, 777
-    q, out = (torch.zeros(B, H, Lq, d, dtype=dtype) for _ in range(2))
-    k = torch.zeros(B, H // group, Lkv, d, dtype=dtype)
-    block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
-    args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m), torch.zeros(B, H, Lq)]
-    for c in captures:
-        args += [c] + [x for dim in range(c.dim()) for x in (c.shape[dim], c.stride(dim))]
-    args += [H, B * H, Lq, Lkv, 0.125]
-    kwargs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, GROUP=group, num_warps=4, maxnreg=168)
-    target = GPUTarget("cuda", 90, 128)
-    backend = make_backend(target)
-    fn = module.attn_fwd
-    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+# Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library
+# functions are interpreter objects that Gluon cannot compile, and a fresh TRITON_CACHE_DIR makes
+# it compile rather than find an earlier result.
+COMPILE = """
+import json, sys
+from pathlib import Path
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import create_function_from_signature
+from attncc import runtime
+path, d, group, dtype, shapes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), json.loads(sys.argv[5])
+module = runtime.load(Path(path), False, Path(path).read_text())
+B, H, Lq, Lkv = 2, 2 * group, 300, 777
+q, out = (torch.zeros(B, H, Lq, d, dtype=dtype) for _ in range(2))
+k = torch.zeros(B, H // group, Lkv, d, dtype=dtype)
+block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
+args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
+        module._descriptor(out, block_m), torch.zeros(B, H, Lq)]
+for shape in shapes:
+    c = torch.zeros(shape)
+    args += [c] + [x for dim in range(c.dim()) for x in (c.shape[dim], c.stride(dim))]
+args += [H, B * H, Lq, Lkv, 0.125]
+kwargs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, GROUP=group, num_warps=4, maxnreg=168)
+target = GPUTarget("cuda", 90, 128)
+backend = make_backend(target)
+fn = module.attn_fwd
+bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
+print("compiled", compiled.metadata.shared)
+"""
 
 
-CASES = [(name, 128, 1, "bfloat16") for name in GLUON_VARIANTS] + [
+TRIG = "trig"  # score_mod with sin, cos and sigmoid (printed as Gluon's functions or its helpers)
+CASES = [(name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] + [
     ("causal", 128, 4, "float16"), ("alibi", 64, 2, "bfloat16"), ("full", 64, 1, "float16")]
 
 
 @pytest.mark.parametrize("name,d,group,dtype", CASES, ids=[f"{n}-d{d}-g{g}-{t}" for n, d, g, t in CASES])
 def test_rendered_gluon_kernel_compiles_for_sm90(name, d, group, dtype, tmp_path):
-    runtime.target_for(torch.device("cpu"))  # triton imported as the other CPU tests need it: interpreter on
     variant = _variant(name, H=2 * group)
     spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon")
     source = codegen.render(plan.build("fwd", variant.analysis, spec, variant.captures))
     path = tmp_path / f"fwd_{name}.py"
     path.write_text(source)
-    module = runtime.load(path, False, source)
+    module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)
     assert module.TIER == "gluon"
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
     assert not isinstance(inspect.signature(module._block_range.fn).parameters["BLOCK_Q"].annotation, str)
-    captures = [c.tensor.to(torch.float32) if c.tensor.is_floating_point() else c.tensor for c in variant.captures]
-    compiled = _compile_for_sm90(module, d, group, getattr(torch, dtype), captures)
-    assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNCC_INTERPRET")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    shapes = [list(c.tensor.shape) for c in variant.captures]
+    result = subprocess.run([sys.executable, "-c", COMPILE, str(path), str(d), str(group), dtype, json.dumps(shapes)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -7,7 +7,7 @@ P * (dP - D)), the kernels need
     dL/dcap[i] = sum over (q, kv) of dS' * d score_mod / d cap(i)   for each load site cap(i)
 
 sympy differentiates the simplified expression: where() on the score is differentiated branch
-by branch (Piecewise), floor and trunc have derivative 0 (as in torch), and the printer shares
+by branch (Piecewise), floor, ceil, round, trunc and sign have derivative 0 (as in torch), and the printer shares
 subexpressions with the recomputed forward value (softcap's tanh appears once).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sympy as sp
 from sympy.core.function import AppliedUndef
 
 from ..errors import AttnccError
-from .symbolic import SCORE, trunc
+from .symbolic import SCORE, rint, trunc
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,13 @@ class Gradients:
 
 def _diff(expr, var) -> sp.Expr:
     d = sp.diff(expr, var)
-    # floor and trunc are piecewise constant: torch gives them zero gradient.
-    d = d.replace(lambda e: isinstance(e, sp.Derivative) and isinstance(e.expr, (sp.floor, sp.ceiling, trunc)),
+    # floor, ceil, trunc and sign are piecewise constant: torch gives them zero gradient (sympy
+    # differentiates sign into a DiracDelta, nonzero only where the argument is 0).
+    d = d.replace(lambda e: isinstance(e, sp.Derivative) and isinstance(e.expr, (sp.floor, sp.ceiling, trunc, rint)),
                   lambda e: sp.S.Zero)
+    d = d.replace(lambda e: isinstance(e, sp.DiracDelta), lambda e: sp.S.Zero)
+    # the chain rule through floor(3 * score) leaves Subs(0, ...) behind
+    d = d.replace(lambda e: isinstance(e, sp.Subs), lambda e: e.doit())
     if d.has(sp.Derivative):
         raise AttnccError(f"cannot differentiate score_mod {expr} with respect to {var}: {d}")
     return d

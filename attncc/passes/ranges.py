@@ -84,10 +84,15 @@ def _rule(n: ir.Node, a: list) -> tuple:
         return a[0] if f is None else (f(a[0][0]), f(a[0][1]))
     if op == "invert":  # ~x == -x - 1 on integers
         return (-a[0][1] - 1, -a[0][0] - 1)
-    if op == "tanh":
+    if op in ("tanh", "sin", "cos", "erf", "sign"):
         return (-1, 1)
     if op == "sigmoid":
         return (0, 1)
+    if op == "atan":
+        return (-math.pi / 2, math.pi / 2)
+    if op in ("ceil", "round", "trunc"):  # monotone
+        f = {"ceil": math.ceil, "round": round, "trunc": math.trunc}[op]
+        return tuple(x if math.isinf(x) else f(x) for x in a[0])
     c = _const_value(n.args[1]) if len(n.args) == 2 else None
     if c is None or c == 0:
         return EVERYTHING
@@ -104,6 +109,13 @@ def _rule(n: ir.Node, a: list) -> tuple:
         return (0, c) if c > 0 else (c, 0)
     if op == "and" and n.type == ir.INT and c >= 0:  # x & c lies in [0, c] for c >= 0
         return (0, c)
+    if op in ("lshift", "rshift") and isinstance(c, int) and 0 <= c < 31:  # x * 2**c, floor(x / 2**c)
+        f = (lambda x: x * 2 ** c) if op == "lshift" else (lambda x: _floor(x / 2 ** c))
+        return (f(a[0][0]), f(a[0][1]))
+    if op == "fmod":  # the sign of the dividend, smaller than |c|
+        m = abs(c) - 1 if n.type == ir.INT else abs(c)
+        lo, hi = a[0]
+        return (0 if lo >= 0 else -m, 0 if hi <= 0 else m)
     return EVERYTHING
 
 

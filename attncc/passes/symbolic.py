@@ -8,9 +8,11 @@ and ``%`` floor (sympy's floor and Mod do too), ``.long()`` truncates toward zer
 
 Leaves become symbols (score real, indices non-negative integers); a captured tensor becomes
 an undefined function ``capN(index...)``; operations sympy lacks (exp2, log2, sigmoid, trunc,
-bitwise) are small Function classes that know their derivative.
+log1p, expm1, rint, fmod, shifts, bitwise) are small Function classes that know their derivative.
 """
 from __future__ import annotations
+
+import math
 
 import sympy as sp
 
@@ -61,7 +63,8 @@ class floordiv(sp.Function):
 
 
 class Mod(sp.Mod):
-    """Integer a % b whose divisor may be 0. attncc defines a % 0 = a and a // 0 = 0 (see
+    """a % b with the sign of the divisor (torch.remainder), differentiable; on integers a divisor
+    that may be 0. attncc defines a % 0 = a and a // 0 = 0 (see
     attncc.variant.Variant), so unlike sympy's Mod (undefined at 0) it is an integer for every
     divisor, and the printer keeps it in integer arithmetic. sympy's rewrites of Mod (Mod(x + q,
     q) = Mod(x, q), Mod(k*x, k*q) = k*Mod(x, q), ...) hold at q = 0 under that definition too.
@@ -70,6 +73,12 @@ class Mod(sp.Mod):
     def _eval_is_integer(self):
         a, b = self.args
         return True if a.is_integer and b.is_integer else None
+
+    def fdiff(self, argindex=1):
+        """a % b = a - b * floor(a / b): 1 in a and -floor(a / b) in b (torch's remainder
+        gradients); sympy's own Mod has no derivative."""
+        a, b = self.args
+        return sp.S.One if argindex == 1 else -sp.floor(a / b)
 
 
 class intdiv(sp.Function):
@@ -81,6 +90,81 @@ class intdiv(sp.Function):
     def eval(cls, a, b):
         if a.is_Integer and b.is_Integer and b != 0:
             return sp.Rational(a, b)
+
+
+class log1p(sp.Function):
+    """log(1 + x), kept whole: accurate for small x (the kernels print an accurate form)."""
+    def fdiff(self, argindex=1):
+        return 1 / (1 + self.args[0])
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_zero:
+            return sp.S.Zero
+
+
+class expm1(sp.Function):
+    """exp(x) - 1, kept whole: accurate for small x."""
+    def fdiff(self, argindex=1):
+        return sp.exp(self.args[0])
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_zero:
+            return sp.S.Zero
+
+
+class rint(sp.Function):
+    """torch.round: to the nearest integer, ties to even. Piecewise constant: like floor, it has no
+    fdiff, so the facts do not take score + rint(score) for an additive bias; attncc.passes.derive
+    gives it derivative 0, as torch does."""
+    is_integer = True
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_integer:
+            return x
+        if x.is_Number and x.is_finite:
+            return sp.Integer(round(float(x)))  # Python's round: ties to even
+
+
+class fmod(sp.Function):
+    """torch.fmod: a - b * trunc(a / b), the sign of the dividend (C's fmod). On integers
+    a fmod 0 = a (attncc's rule for a remainder by 0, as for %)."""
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return sp.S.One if argindex == 1 else -trunc(a / b)
+
+    def _eval_is_integer(self):
+        a, b = self.args
+        return True if a.is_integer and b.is_integer else None
+
+    def _eval_is_real(self):
+        return True if all(x.is_real for x in self.args) else None
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer:
+            return a if b == 0 else sp.Integer(int(math.fmod(int(a), int(b))))
+
+
+class _Shift(sp.Function):
+    is_integer = True
+
+
+class lshift(_Shift):
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer and 0 <= b < 64:
+            return sp.Integer(int(a) << int(b))
+
+
+class rshift(_Shift):
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer and 0 <= b < 64:
+            return sp.Integer(int(a) >> int(b))
 
 
 class _Bitwise(sp.Function):
@@ -104,12 +188,15 @@ _UNARY = {
     "neg": lambda a: -a, "abs": sp.Abs, "floor": sp.floor, "exp": sp.exp, "exp2": exp2,
     "log": sp.log, "log2": log2, "tanh": sp.tanh, "sigmoid": sigmoid, "sqrt": sp.sqrt,
     "rsqrt": lambda a: 1 / sp.sqrt(a),
+    "sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "atan": sp.atan, "erf": sp.erf, "log1p": log1p,
+    "expm1": expm1, "sign": sp.sign, "round": rint, "ceil": sp.ceiling, "trunc": trunc,
 }
 _BINARY = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-    "truediv": lambda a, b: a / b, "floordiv": lambda a, b: sp.floor(a / b), "mod": sp.Mod,
+    "truediv": lambda a, b: a / b, "floordiv": lambda a, b: sp.floor(a / b), "mod": Mod,
     "pow": lambda a, b: a ** b, "minimum": sp.Min, "maximum": sp.Max,
     "lt": sp.Lt, "le": sp.Le, "gt": sp.Gt, "ge": sp.Ge, "eq": sp.Eq, "ne": sp.Ne,
+    "fmod": fmod, "lshift": lshift, "rshift": rshift,
 }
 _LOGIC = {"and": (sp.And, bit_and), "or": (sp.Or, bit_or), "xor": (sp.Xor, bit_xor)}
 
