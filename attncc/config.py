@@ -121,24 +121,18 @@ def tier() -> str:
     templates/sm90: warp-specialised, TMA and asynchronous wgmma) wherever the variant and the
     call fit it (attncc.tiers.choose says why not otherwise); ``auto`` (default): the Gluon tier
     where it measured faster."""
-    raw = _env("ATTNCC_TIER")
-    if raw is None:  # every call reads it (host time): the unset case returns at once
-        return "auto"
-    mode = raw.strip().lower() or "auto"
-    if mode not in TIERS:
-        from .errors import AttnccError
-        raise AttnccError(f"ATTNCC_TIER={mode!r} is not one of {', '.join(TIERS)}")
-    return mode
+    return _descriptor_mode("ATTNCC_TIER", TIERS)
 
 
-def _descriptor_mode(var: str) -> str:
+def _descriptor_mode(var: str, modes=DESCRIPTOR_MODES) -> str:
+    """A knob taking one of ``modes`` (default auto); AttnccError naming it otherwise."""
     raw = _env(var)
     if raw is None:  # every call reads it (host time): the unset case returns at once
         return "auto"
     mode = raw.strip().lower() or "auto"
-    if mode not in DESCRIPTOR_MODES:
+    if mode not in modes:
         from .errors import AttnccError
-        raise AttnccError(f"{var}={mode!r} is not one of {', '.join(DESCRIPTOR_MODES)}")
+        raise AttnccError(f"{var}={mode!r} is not one of {', '.join(modes)}")
     return mode
 
 
