@@ -5,23 +5,19 @@ with ``Proxy`` arguments; Python operators and torch functions on proxies (throu
 ``__torch_function__``) build IR nodes instead of computing. Indexing a captured tensor with
 a proxy (``slopes[h]``, ``bias[h, q_idx - kv_idx]``) becomes an IR load of that tensor.
 Python control flow on a proxy cannot be traced and raises a ModTraceError that names the
-mod, the line and the fix.
+mod, the line and the fix. One-element constants made inside a mod (``torch.ones(())``,
+``b.new_ones(())``) are attncc.trace_consts; the error messages and the per-thread tracing state
+they read are attncc.trace_errors.
 """
 from __future__ import annotations
-
-import inspect
-import linecache
-import os
-import threading
 
 import torch
 
 from . import ir
 from .errors import AttnccError, ModTraceError
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_TORCH_HELPERS = os.path.join(_TORCH_DIR, "nn", "attention")  # FlexAttention's and_masks, noop_mask, ...
+from .trace_consts import _DTYPE_OF_KIND, _FACTORY_NAMES, _make
+from .trace_errors import (_capture, _check_arity, _control_flow_error, _located, _mod_name, _tracing,
+                           _untraceable, _user_line)
 
 # torch function name (torch.X, Tensor.X or Tensor.__X__, underscores stripped) -> IR builder.
 _FUNCS = {
@@ -83,10 +79,6 @@ _FUNCS = {
     "leaky_relu": lambda x, negative_slope=0.01, inplace=False: ir.leaky_relu(x, _number(negative_slope)),
     "elu": lambda x, alpha=1.0, inplace=False: ir.elu(x, _number(alpha)),
 }
-# functions that make a value rather than compute one: FlexAttention's helpers (and_masks,
-# noop_mask) start from b.new_ones((), dtype=torch.bool); a one-element result is a constant
-_FACTORY_NAMES = ("new_ones", "new_zeros", "new_full", "new_tensor", "ones_like", "zeros_like", "full_like",
-                  "ones", "zeros", "full", "tensor", "scalar_tensor", "as_tensor")
 SUPPORTED = sorted({"+ - * / // % ** << >> unary- abs < <= > >= == != & | ^ ~"} | set(_FUNCS) | set(_FACTORY_NAMES) - {
     "radd", "rmul", "rsub", "rtruediv", "rdiv", "rfloordiv", "rmod", "rpow", "rand", "ror", "rxor", "and", "or", "xor",
     "truediv", "floordiv", "lshift", "rshift", "rlshift", "rrshift"})
@@ -129,103 +121,15 @@ def _to(x, *args, **kwargs):
     return ir.cast(x, ir.FLOAT if dtype.is_floating_point else ir.INT)
 
 
-_KIND_OF_DTYPE = {torch.bool: ir.BOOL}
-# the dtypes a traced value reports: FlexAttention passes b, h, q_idx, kv_idx as int32 tensors
-_DTYPE_OF_KIND = {ir.FLOAT: torch.float32, ir.INT: torch.int32, ir.BOOL: torch.bool}
-
-
-def _kind(dtype, default: str) -> str:
-    if dtype is None:
-        return default
-    if not isinstance(dtype, torch.dtype):
-        raise AttnccError(f"dtype must be a torch.dtype, got {dtype!r}")
-    return _KIND_OF_DTYPE.get(dtype) or (ir.FLOAT if dtype.is_floating_point else ir.INT)
-
-
-def _kind_of(value) -> str:
-    """The kind torch gives a tensor made from ``value`` (torch.tensor(3) is int64, ...)."""
-    if isinstance(value, Proxy):
-        return value.node.type
-    if isinstance(value, bool):
-        return ir.BOOL
-    if isinstance(value, int):
-        return ir.INT
-    if isinstance(value, torch.Tensor):
-        return _kind(value.dtype, ir.FLOAT)
-    return ir.FLOAT
-
-
-def _scalar_size(size) -> bool:
-    """Whether a factory's size makes one element: (), [], 1, (1,), (1, 1), ..."""
-    dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
-    return all(isinstance(d, int) and not isinstance(d, bool) and d == 1 for d in dims)
-
-
-def _value(value, kind: str, what: str):
-    """A factory's fill value as an IR node of ``kind`` (a constant, or a traced value cast)."""
-    if isinstance(value, Proxy):
-        return ir.cast(value.node, kind)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        if value.dim():
-            value = value.reshape(())
-        return ir.cast(ir.load(_capture(value)), kind)  # a captured tensor stays a runtime argument
-    if not isinstance(value, (bool, int, float)):
-        raise AttnccError(f"{what} of a {type(value).__name__} in a mod: use a Python number or a traced value")
-    try:
-        cast = {ir.BOOL: bool, ir.INT: int, ir.FLOAT: float}[kind](value)
-    except (OverflowError, ValueError):
-        raise AttnccError(f"{what}: {value!r} does not fit the integer dtype asked for; use a float dtype") from None
-    return ir.const(cast)
-
-
 def _factory(name: str, args: tuple, kwargs: dict):
     """A factory call inside a mod, as a Proxy when it makes one element; None when it makes a
     real tensor (torch.arange(4) in a mod is an ordinary captured tensor)."""
     try:
-        return _make(name, args, kwargs)
+        return _make(name, args, kwargs, Proxy)
     except AttnccError as e:
         if type(e) is not AttnccError:
             raise
         raise _located(e) from None
-
-
-def _make(name: str, args: tuple, kwargs: dict):
-    dtype = kwargs.get("dtype")
-    if name in ("new_ones", "new_zeros", "new_full", "new_tensor", "ones_like", "zeros_like", "full_like"):
-        self, rest = args[0], args[1:]
-        default = _kind_of(self)
-        if name == "new_tensor" or name.endswith("_like"):
-            fill = {"ones_like": 1, "zeros_like": 0}.get(name)
-            if fill is None:
-                fill = rest[0] if rest else kwargs.get("data", kwargs.get("fill_value"))
-            if name == "new_tensor" and dtype is None:
-                default = _kind_of(fill)
-            return Proxy(_value(fill, _kind(dtype, default), f"{name}()"))
-        size = rest[:1] if name == "new_full" else rest
-        size = size or (kwargs.get("size", ()),)
-        if not _scalar_size(size):
-            raise AttnccError(f"{name} makes a tensor of size {size}; a mod computes one score at a time: make "
-                              "a one-element value (size=())")
-        fill = {"new_ones": 1, "new_zeros": 0}.get(name)
-        if fill is None:
-            fill = rest[1] if len(rest) > 1 else kwargs.get("fill_value")
-        return Proxy(_value(fill, _kind(dtype, default), f"{name}()"))
-    # torch.ones / zeros / full / tensor / scalar_tensor / as_tensor
-    if name in ("tensor", "scalar_tensor", "as_tensor"):
-        data = args[0] if args else kwargs.get("data", kwargs.get("s"))
-        if not isinstance(data, (Proxy, bool, int, float)):
-            return None
-        return Proxy(_value(data, _kind(dtype, _kind_of(data)), f"torch.{name}()"))
-    size = args[:1] if name == "full" else args
-    size = size or (kwargs.get("size", ()),)
-    if not _scalar_size(size):
-        return None
-    if name == "full":
-        fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
-        default = _kind_of(fill)
-    else:
-        fill, default = (1 if name == "ones" else 0), ir.FLOAT
-    return Proxy(_value(fill, _kind(dtype, default), f"torch.{name}()"))
 
 
 class _Factories(torch.overrides.TorchFunctionMode):
@@ -241,69 +145,6 @@ class _Factories(torch.overrides.TorchFunctionMode):
             if made is not None:
                 return made
         return func(*args, **kwargs)
-
-
-class _Tracing(threading.local):
-    """What this thread's trace is doing: which mod (for error messages) and the Python names
-    under which it sees tensors (for explain and comments). Per thread: threads trace at once."""
-
-    def __init__(self):
-        self.mod = None
-        self.names: dict[int, str] = {}
-
-
-_tracing = _Tracing()
-
-
-def _user_line(frame=None) -> str:
-    """'file:line: code' of the innermost frame outside attncc and torch (from ``frame`` out); when
-    a FlexAttention helper of torch's (and_masks, or_masks, ...) lies on the way, it is named too."""
-    frame = frame or inspect.currentframe()
-    helper = None
-    while frame is not None:
-        fname = os.path.abspath(frame.f_code.co_filename)
-        if helper is None and fname.startswith(_TORCH_HELPERS):
-            name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # Python >= 3.11 has the qualname
-            helper = f"torch's {name} at {fname}:{frame.f_lineno}"
-        if not fname.startswith(_HERE) and not fname.startswith(_TORCH_DIR):
-            info = inspect.getframeinfo(frame)
-            code = (info.code_context or [""])[0].strip()
-            where = f"{fname}:{info.lineno}: {code}"
-            return where if helper is None else f"{where} (through {helper})"
-        frame = frame.f_back
-    return "<unknown line>"
-
-
-def _mod_name() -> str:
-    fn = _tracing.mod
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
-class _ControlFlowError(ModTraceError):
-    """Python control flow on a traced value. The message (which reads source lines) is built
-    only when shown: torch probes proxies with len() while indexing and discards the error."""
-
-    def __init__(self, what: str, fix: str | None = None):
-        super().__init__(what)
-        self.what, self.fix, self.mod, self.frame = what, fix, _mod_name(), inspect.currentframe().f_back
-
-    def __str__(self):
-        return (f"{self.mod} uses {self.what} on a traced value at {_user_line(self.frame)}\n"
-                + (self.fix or
-                   "Mods are traced once and run elementwise inside the kernel, so Python control flow "
-                   "cannot depend on score, b, h, q_idx or kv_idx. Use torch.where(cond, a, b) instead of "
-                   "if/else, `&` and `|` instead of `and`/`or`, `~` instead of `not`, torch.maximum / "
-                   "torch.minimum instead of max() / min(), and unroll loops over Python constants."))
-
-
-def _control_flow_error(what: str, fix: str | None = None):
-    raise _ControlFlowError(what, fix)
-
-
-def _located(e: AttnccError) -> AttnccError:
-    """``e`` with the mod's name and the user's line in front (for errors of the IR constructors,
-    which know neither)."""
-    return AttnccError(f"{e}\n  in {_mod_name()} at {_user_line()}")
 
 
 def _node(x):
@@ -329,10 +170,6 @@ def _node(x):
 
 def _wrap(x):
     return Proxy(x) if isinstance(x, ir.Node) else x
-
-
-def _capture(t: torch.Tensor) -> ir.Capture:
-    return ir.Capture(t, _tracing.names.get(id(t)))
 
 
 def _index(tensor: torch.Tensor, index):
@@ -513,17 +350,6 @@ def _name_captures(fn):
     return names
 
 
-def _check_arity(fn, n, kind):
-    try:
-        inspect.signature(fn).bind(*range(n))
-    except TypeError:
-        sig = "(score, b, h, q_idx, kv_idx)" if kind == "score_mod" else "(b, h, q_idx, kv_idx)"
-        raise AttnccError(f"{kind} {getattr(fn, '__name__', fn)!s} must take {n} positional arguments "
-                          f"{sig}, as in FlexAttention; its signature is {inspect.signature(fn)}") from None
-    except ValueError:
-        pass  # builtins without a signature: let the call tell
-
-
 def trace(fn, kind: str) -> ir.Node:
     """The IR of a score_mod (kind='score_mod') or mask_mod (kind='mask_mod')."""
     if isinstance(fn, (ir.Node, Proxy)):
@@ -545,62 +371,13 @@ def trace(fn, kind: str) -> ir.Node:
         except AttnccError:
             raise
         except Exception as e:  # Python or torch refused something the mod did: say where, and what works
-            raise ModTraceError(_untraceable(e, kind)) from e
+            raise ModTraceError(_untraceable(e, kind, SUPPORTED)) from e
         _check_result(out, kind)
         node = _node(out)
     finally:
         _tracing.mod = previous
         _tracing.names.clear()
     return _checked(node, kind)
-
-
-def _frames(tb):
-    """(file, line, function, code) of each frame of a traceback, outermost first."""
-    out = []
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        fname = os.path.abspath(code.co_filename)
-        line = tb.tb_lineno
-        text = (linecache.getline(fname, line) or "").strip()
-        out.append((fname, line, code.co_name, text))
-        tb = tb.tb_next
-    return out
-
-
-_HINTS = (
-    (TypeError, "unsupported operand", "this operator has no meaning on a traced scalar (no @, divmod or "
-                "sequence operations); write it with + - * / // % ** << >> & | ^ ~ and torch functions"),
-    (TypeError, "unhashable", "traced values cannot be dict keys or set members; look values up in a captured "
-                "tensor (table[q_idx]) or select with torch.where"),
-    (TypeError, "", "call torch functions with the mod's arguments and Python numbers"),
-    (AttributeError, "", "inside a mod each argument is a 0-d tensor: use operators and torch functions on it"),
-    ((IndexError, KeyError), "", "index captured tensors with one integer expression per dimension "
-                                 "(bias[h, q_idx - kv_idx]); Python sequences cannot be indexed by traced values"),
-    (Exception, "", "write the mod with operators, torch.where and the supported torch functions"),
-)
-
-
-def _untraceable(e: Exception, kind: str) -> str:
-    """The message for an exception a mod raised while being traced: the mod, the failing line
-    (when it failed inside one of torch's FlexAttention helpers, that frame and the user's line
-    that led there), and what to write instead."""
-    frames = _frames(e.__traceback__)
-    user = [f for f in frames if not f[0].startswith(_HERE) and not f[0].startswith(_TORCH_DIR)]
-    fn = _tracing.mod
-    code = getattr(fn, "__code__", None)
-    defined = f" (defined at {os.path.abspath(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
-    head = f"{kind} {_mod_name()}{defined} cannot be traced: {type(e).__name__}: {e}"
-    last = frames[-1] if frames else None
-    if last is not None and last in user:
-        at = f"\n  at {last[0]}:{last[1]}: {last[3]}"
-    else:
-        helper = next((f for f in reversed(frames) if f[0].startswith(_TORCH_HELPERS)), last)
-        owner = "attncc's" if helper and helper[0].startswith(_HERE) else "torch's"
-        inside = f"\n  inside {owner} {helper[2]} at {helper[0]}:{helper[1]}: {helper[3]}" if helper else ""
-        caller = f"{user[-1][0]}:{user[-1][1]}: {user[-1][3]}" if user else _user_line()
-        at = f"{inside}\n  called from {caller}"
-    hint = next(h for types, needle, h in _HINTS if isinstance(e, types) and needle in str(e))
-    return f"{head}{at}\nMods are traced once with proxy values: {hint}. Supported: {', '.join(SUPPORTED)}"
 
 
 def _check_result(out, kind: str) -> None:
