@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import __version__, api, cache, config, inference, ir, plan, reference, runtime
+from .checks import check_index_ranges
 from .errors import AttnccError
 from .variant import Variant
 
@@ -150,7 +151,10 @@ def tile_classes(variant: Variant, length: int, bm: int, bn: int) -> torch.Tenso
     """int8 (query tiles, key tiles) of the mask at batch 0, head 0: 0 empty, 1 partial, 2 full.
 
     The mask is evaluated densely on the CPU by the reference's IR evaluator, a band of query
-    rows at a time; positions past ``length`` do not count, as in the kernels."""
+    rows at a time; positions past ``length`` do not count, as in the kernels. A captured tensor
+    too small for ``length`` raises the AttnccError a kernel call of that length raises."""
+    check_index_ranges(variant, {"b": (0, 0), "h": (0, 0), "q_idx": (0, length - 1), "kv_idx": (0, length - 1)},
+                       (1, 1, length, length))
     if variant.mask_ir is None:
         return torch.full((-(-length // bm), -(-length // bn)), 2, dtype=torch.int8)
     band, out = bm * max(1, 2**22 // (bm * length)), []
@@ -351,14 +355,14 @@ def _tile(text: str) -> tuple[int, int]:
 
 COMMANDS = {  # name: (function, help, example for the epilog)
     "show": (cmd_show, "print the generated Triton source of a variant",
-             "attncc show mymods.py:softcap --kernel bwd --dtype fp16 --head-dim 64 > softcap_bwd.py"),
+             "attncc show examples/mods.py:softcap --kernel bwd --dtype fp16 --head-dim 64 > softcap_bwd.py"),
     "explain": (cmd_explain, "print the IR, simplified expressions, backward formulas and tile skipping",
-                "attncc explain mymods.py:document --mask-ascii --len 2048\n\nThe tile picture shows batch 0, "
+                "attncc explain examples/mods.py:document --mask-ascii --len 2048\n\nThe tile picture shows batch 0, "
                 "head 0: the mask is evaluated densely on the CPU, reading the tensors the file made. It shows\n"
                 "the mask's exact tile classes; kernels of masks without tensors skip tiles by ranges derived\n"
                 "from the formula (explain's 'Tile skipping'), which may count a few more tiles as partial."),
     "bench": (cmd_bench, "time a variant on the GPU against compiled FlexAttention and SDPA (flash)",
-              "attncc bench mymods.py:alibi+causal --len 2048 4096 8192 --backward"),
+              "attncc bench examples/mods.py:alibi+causal --len 2048 4096 8192 --backward"),
     "demo": (cmd_demo, "run examples/demo.py (needs the repository)", "attncc demo --full"),
     "cache": (cmd_cache, "list or empty the kernel source cache ($ATTNCC_CACHE_DIR)",
               "attncc cache list\n  ATTNCC_CACHE_DIR=/tmp/kernels attncc cache clear"),
@@ -368,7 +372,7 @@ COMMANDS = {  # name: (function, help, example for the epilog)
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="attncc", formatter_class=raw, description="attncc: FlexAttention-style mods compiled into "
-                "FlashAttention Triton kernels.", epilog="example:\n  attncc show mymods.py:causal\n\n"
+                "FlashAttention Triton kernels.", epilog="example:\n  attncc show examples/mods.py:causal\n\n"
                 "'attncc COMMAND --help' describes each command.")
     p.add_argument("--version", action="version", version=f"attncc {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -264,3 +264,35 @@ def test_python_m_attncc_help():
     assert result.returncode == 0
     assert all(c in result.stdout for c in ("show", "explain", "bench", "demo", "cache"))
     assert result.stderr == ""
+
+
+EXAMPLE_MODS = Path(__file__).resolve().parents[1] / "examples" / "mods.py"
+
+
+def test_examples_mods_as_readme_names_them(capsys):
+    """examples/mods.py defines the mods README's command-line examples and the help texts name."""
+    code, out, _ = run(capsys, "show", f"{EXAMPLE_MODS}:softcap", "--kernel", "bwd", "--dtype", "fp16",
+                       "--head-dim", "64")
+    assert code == 0 and "def attn_bwd_dq(" in out and "tanh" in out
+    code, joined, _ = run(capsys, "show", f"{EXAMPLE_MODS}:alibi+causal")
+    assert code == 0 and joined == run(capsys, "show", f"{EXAMPLE_MODS}:alibi_causal")[1]
+    code, out, _ = run(capsys, "show", f"{EXAMPLE_MODS}:causal")
+    assert code == 0 and "def attn_fwd" in out
+    # documents of 1000 tokens, causal: tile row 15 (queries 960..1023) crosses the first boundary
+    code, out, _ = run(capsys, "explain", f"{EXAMPLE_MODS}:document", "--mask-ascii", "--len", 2048)
+    assert code == 0 and "Tile skipping:" in out and "64x64 tiles" in out
+    picture = _picture(out)
+    assert len(picture) == 32 and picture[0] == "+" + "." * 31 and picture[15] == "+" * 16 + "." * 16
+    assert picture[16] == "." * 15 + "++" + "." * 15  # tile row 16 holds keys 1000..1023 of document 1
+
+
+def test_explain_len_beyond_captured_tensor(capsys, mods):
+    """A picture longer than a captured tensor raises the kernel call's error, naming the tensor
+    (reads past its end used to count as 0 and drew a wrong picture)."""
+    line = error_line(capsys, "explain", f"{mods}:document", "--mask-ascii", "--len", 512)
+    assert "`doc_ids` of shape (256,) is too small" in line and "Lq=512" in line
+    with pytest.raises(attncc.AttnccError, match="doc_ids"):  # the same message as a kernel call
+        attncc.attention(*(torch.randn(1, 1, 512, 16) for _ in range(3)), mask_mod=cli.load_target(
+            f"{mods}:document").variant.mask_mod)
+    assert error_line(capsys, "explain", f"{EXAMPLE_MODS}:document", "--mask-png", "x.png", "--len", 8193)
+    assert run(capsys, "explain", f"{mods}:document", "--mask-ascii", "--len", 256)[0] == 0
