@@ -57,8 +57,10 @@ _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) 
 
 
 def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, tensors=()) -> tuple[str, str]:
-    """(tier, why) of a forward call: "gluon" or "triton". ``tensors``: q, k, v and the output's
-    layout (q's), which the Gluon kernel reads and writes through 4-D tensor descriptors."""
+    """(tier, why) of a forward call: "gluon" or "triton". ``tensors``: q, k and v, which the Gluon
+    kernel reads through 4-D tensor descriptors (the output takes q's layout, so q stands for it).
+    The part that does not depend on the tensors is memoised: per call, one dict lookup and the
+    tensors' layout check."""
     want = config.tier()
     key = (variant.ir_key, target, dtype, d, dv, dropout, want)
     chosen = _chosen.get(key)
