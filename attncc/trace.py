@@ -4,6 +4,7 @@
 with ``Proxy`` arguments; Python operators and torch functions on proxies (through
 ``__torch_function__``) build IR nodes instead of computing. Indexing a captured tensor with
 a proxy (``slopes[h]``, ``bias[h, q_idx - kv_idx]``) becomes an IR load of that tensor.
+Indexing with fewer indices than the rank gives a small vector (attncc.trace_vectors).
 Python control flow on a proxy cannot be traced and raises a ModTraceError that names the
 mod, the line and the fix. One-element constants made inside a mod (``torch.ones(())``,
 ``b.new_ones(())``) are attncc.trace_consts; the error messages and the per-thread tracing state
@@ -18,6 +19,7 @@ from .errors import AttnccError, ModTraceError
 from .trace_consts import _DTYPE_OF_KIND, _FACTORY_NAMES, _make
 from .trace_errors import (_capture, _check_arity, _control_flow_error, _located, _mod_name, _tracing,
                            _untraceable, _user_line)
+from .trace_vectors import Vector, call as _vector_call, scalar_error as _vector_as_scalar
 
 # torch function name (torch.X, Tensor.X or Tensor.__X__, underscores stripped) -> IR builder.
 _FUNCS = {
@@ -151,9 +153,8 @@ def _node(x):
     """IR node for one argument of a traced operation."""
     if isinstance(x, Proxy):
         return x.node
-    if isinstance(x, _PartialIndex):
-        raise AttnccError(f"captured tensor of shape {tuple(x.tensor.shape)} used with only "
-                          f"{len(x.index)} of its {x.tensor.dim()} dimensions indexed, at {_user_line()}")
+    if isinstance(x, Vector):
+        raise _vector_as_scalar(x)
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
             return ir.load(_capture(x))
@@ -180,24 +181,13 @@ def _index(tensor: torch.Tensor, index):
     if len(idx) > tensor.dim():
         raise AttnccError(f"{_mod_name()} indexes a {tensor.dim()}-d captured tensor with {len(idx)} "
                           f"indices at {_user_line()}")
-    if len(idx) < tensor.dim():
-        return _PartialIndex(tensor, idx)
+    if len(idx) < tensor.dim():  # a row: waits for more indices, or is a vector (attncc.trace_vectors)
+        return Vector(tensor.shape[len(idx):], tensor, idx)
     nodes = [_node(i) for i in idx]
     try:
         return Proxy(ir.load(_capture(tensor), *nodes))
     except AttnccError as e:
         raise _located(e) from None
-
-
-class _PartialIndex:
-    """``bias[h]`` of a 2-d ``bias``: waits for the remaining indices (``bias[h][q_idx]``)."""
-
-    def __init__(self, tensor, index):
-        self.tensor, self.index = tensor, index
-
-    def __getitem__(self, more):
-        more = more if isinstance(more, tuple) else (more,)
-        return _index(self.tensor, self.index + more)
 
 
 class Proxy:
@@ -215,6 +205,8 @@ class Proxy:
         name = getattr(func, "__name__", str(func))
         if name == "__getitem__":
             return _index(args[0], args[1])
+        if any(isinstance(a, Vector) for a in (*args, *kwargs.values())):
+            return _vector_call(func, args, kwargs)
         key = name.strip("_")
         if key in _FACTORY_NAMES:
             return _factory(key, args, kwargs)
@@ -386,7 +378,7 @@ def _check_result(out, kind: str) -> None:
         "the modified score (e.g. score + bias[h])"
     if out is None:
         raise AttnccError(f"{kind} {_mod_name()} returned None; did you forget `return`? It must return {what}")
-    if isinstance(out, (Proxy, ir.Node, bool, int, float, _PartialIndex)):
+    if isinstance(out, (Proxy, ir.Node, bool, int, float, Vector)):
         return
     if isinstance(out, torch.Tensor):
         if out.dim() > 0:
