@@ -275,6 +275,19 @@ def get_or_create(path: Path, generate) -> Path:
     return kernel_source(path, generate)[0]
 
 
+def _small_file(path: Path, what: str) -> str | None:
+    """The text of a small file attncc keeps beside its kernels (an alias, the Triton key): None
+    when it or its folder is missing, or (logged at WARNING) when it is not this user's file."""
+    if not _safe_dir(path.parent, create=False):
+        return None
+    try:
+        data = _read_ours(path)
+    except _NotOurs as e:
+        logger.warning("ignoring the %s %s: it %s", what, path, e)
+        return None
+    return None if data is None else data.decode(errors="replace")
+
+
 def _alias(kernel: str, ir_key: str, spec) -> Path:
     return folder() / "aliases" / f"{kernel}_{key(kernel, 'ir:' + ir_key, spec)}"
 
@@ -284,16 +297,10 @@ def lookup_alias(kernel: str, ir_key: str, spec) -> tuple[Path, str] | None:
     canonicalisation), so a warm process finds its kernel without running the passes. The alias
     must name a ``<kernel>_<key>.py`` file of its own folder, and that file must verify."""
     alias = _alias(kernel, ir_key, spec)
-    if not _safe_dir(alias.parent, create=False):
+    text = _small_file(alias, "kernel cache alias")
+    if text is None:
         return None
-    try:
-        data = _read_ours(alias)
-    except _NotOurs as e:
-        logger.warning("kernel cache alias %s %s: ignoring it", alias, e)
-        return None
-    if data is None:
-        return None
-    name = data.decode(errors="replace").strip()
+    name = text.strip()
     if not re.fullmatch(rf"{re.escape(kernel)}_[0-9a-f]{{24}}\.py", name):
         logger.warning("kernel cache alias %s names %r, not a %s_<key>.py file of its folder: ignoring it",
                        alias, name[:100], kernel)
@@ -382,14 +389,7 @@ def _is_triton_key(value: str, triton_version: str) -> bool:
 
 def _kept_triton_key(path: Path, triton_version: str) -> str | None:
     """The key kept at ``path`` if the file is this user's and has the form of a Triton key."""
-    if not _safe_dir(path.parent, create=False):
-        return None
-    try:
-        data = _read_ours(path)
-    except _NotOurs as e:
-        logger.warning("ignoring the kept Triton key %s: it %s", path, e)
-        return None
-    value = None if data is None else data.decode(errors="replace")
+    value = _small_file(path, "kept Triton key")
     if value is not None and not _is_triton_key(value, triton_version):
         logger.warning("ignoring the kept Triton key %s: not a Triton %s key (%r...)", path, triton_version,
                        value[:40])
