@@ -10,6 +10,7 @@ import torch
 from . import autograd, cache, codegen, config, inference, ir, runtime, tiers
 from .checks import MAX_HEAD_DIM
 from .errors import AttnccError
+from .log import logger
 from .spec import Spec, sm
 from .variant import Variant, check_dropout
 
@@ -41,7 +42,7 @@ class CompiledAttention:
             raise AttnccError(f"attncc.compile takes an attncc.Variant, got {type(variant).__name__}; "
                               "build one with attncc.Variant(score_mod, mask_mod)")
         self.variant = variant
-        self._bwd_specs: dict = {}  # (forward Spec, learnable, deterministic, atomic dQ) -> backward Spec
+        self._bwd_specs: dict = {}  # (forward Spec, learnable, deterministic, atomic dQ, tier) -> backward Spec
         autograd.register(self)  # the attention op finds it by the variant's key
 
     def __repr__(self):
@@ -53,7 +54,7 @@ class CompiledAttention:
 
     def bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool = False) -> Spec:
         """The backward's Spec: the forward's plus which captures need gradients."""
-        key = (fwd_spec, tuple(learnable), deterministic, config.atomic_dq())
+        key = (fwd_spec, tuple(learnable), deterministic, config.atomic_dq(), config.tier())
         spec = self._bwd_specs.get(key)
         if spec is None:
             spec = self._bwd_specs[key] = self._new_bwd_spec(fwd_spec, learnable, deterministic)
@@ -65,9 +66,11 @@ class CompiledAttention:
                 raise AttnccError(f"captured tensor cap{i} ({self.variant.captures[i]!r}) requires grad but is "
                                   "not a float tensor; integer and bool captures are never differentiated")
         atomic = config.atomic_dq() and not deterministic
+        tier, why = tiers.choose_backward(self.variant, fwd_spec, tuple(learnable), deterministic)
+        logger.debug("backward tier of %s: %s (%s)", self.variant, tier, why)
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
                                    deterministic=bool(deterministic and learnable), tma="off", ws="off",
-                                   positive_scale=True, tiles=(), tier="triton")  # only the forward folds the scale
+                                   positive_scale=True, tiles=(), tier=tier)  # only the forward folds the scale
 
     def _path_and_module(self, kernel: str, spec: Spec):
         """(kernel file, loaded module) of one kernel under a Spec: found in this process, else
@@ -143,6 +146,8 @@ class CompiledAttention:
         name = _dtype_name(dtype)
         tier = tiers.choose(self.variant, target, name, head_dim, dv, False)[0] if kernel == "fwd" else "triton"
         spec = Spec(name, head_dim, dv, gqa, target, tma=modes[0], ws=modes[1], tier=tier)
+        if kernel == "bwd":  # what a call without learnable captures runs there
+            spec = dataclasses.replace(spec, tier=tiers.choose_backward(self.variant, spec, (), False)[0])
         return self._source(kernel, spec)[1]
 
     def explain(self) -> str:
@@ -179,11 +184,14 @@ class CompiledAttention:
             lines += [f"  a Q tile [q_lo, q_hi] reaches keys [{tb.reach.first}, {tb.reach.last}]",
                       f"  and attends every key in [{tb.full.first}, {tb.full.last}] (those tiles run without mask code)"]
         lines += ["", f"scale = {v.scale if v.scale is not None else '1/sqrt(head_dim)'}, dropout_p = {v.dropout_p}"]
-        lines += ["", "Forward kernel tier (attncc.tiers; ATTNCC_TIER=auto|triton|gluon):"]
+        lines += ["", "Kernel tier (attncc.tiers; ATTNCC_TIER=auto|triton|gluon):"]
         for d in (128, 64):
             tier, why = tiers.choose(v, "cuda-sm90", "bfloat16", d, d, v.dropout_p > 0)
-            lines.append(f"  sm90, bfloat16, head dim {d}: {tier} ({why})")
-        lines.append("  other GPUs, float32 and the interpreter: triton; backward and inference kernels: triton")
+            lines.append(f"  forward, sm90, bfloat16, head dim {d}: {tier} ({why})")
+            spec = Spec("bfloat16", d, d, 1, "cuda-sm90", v.dropout_p > 0, tier=tier)
+            tier, why = tiers.choose_backward(v, spec, (), False)
+            lines.append(f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})")
+        lines.append("  other GPUs, float32 and the interpreter: triton; inference kernels: triton")
         paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]
         lines += ["", "Generated kernels in this process:"] + (["  " + p for p in paths] or ["  (none yet)"])
         lines += [f"Kernel cache folder: {cache.folder()}"]

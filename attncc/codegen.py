@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from .plan import KernelPlan
 
 TEMPLATES = {"fwd": "attn_fwd.py.jinja", "bwd": "attn_bwd.py.jinja", "kv": "attn_kv.py.jinja"}
-# the Gluon tier's templates (attncc.tiers), by kernel: the forward so far
-GLUON_TEMPLATES = {"fwd": "sm90/attn_fwd.py.jinja"}
+# the Gluon tier's templates (attncc.tiers), by kernel; the inference kernels have none
+GLUON_TEMPLATES = {"fwd": "sm90/attn_fwd.py.jinja", "bwd": "sm90/attn_bwd.py.jinja"}
 
 
 def template_dir() -> Path:

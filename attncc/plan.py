@@ -164,8 +164,8 @@ class KernelPlan:
     short_kv: int = 0
     # kv on Hopper and later: merge_splits is a programmatic dependent launch of attn_kv
     pdl: bool = False
-    # the template set (attncc.tiers): "triton" (templates/) or "gluon" (templates/sm90/, fwd only,
-    # its mods printed in Gluon's language)
+    # the template set (attncc.tiers): "triton" (templates/) or "gluon" (templates/sm90/: the
+    # forward and the backward, their mods printed in Gluon's language)
     tier: str = "triton"
 
     @property
@@ -267,7 +267,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     grads = ()
     dscore_one = f.score_bias  # d score_mod / d score == 1: the backward reads no dscore
     interp = spec.target == "interpreter"
-    gluon = kernel == "fwd" and spec.tier == "gluon"
+    gluon = kernel in ("fwd", "bwd") and spec.tier == "gluon"
     lang = "gl" if gluon else "tl"
     if kernel == "fwd":
         fns = {"attn_fwd": {KV}}
@@ -280,7 +280,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
             outputs.append(("dscore", printer.float_positions(derived.dscore)))
         outputs += [(f"dcap{j}", printer.float_positions(g.derivative)) for j, g in enumerate(derived.loads)]
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
-        fns = {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
+        # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by atomics)
+        fns = {"attn_bwd_dkdv": {Q}} if gluon else {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
     mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang) for fn, loop in fns.items() if loop}
     tp = printer.TritonPrinter(cap_info, interp, lang)
     mask = analysis.mask
@@ -322,7 +323,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         score_identity=f.score_identity, dscore_one=dscore_one, captures=caps,
         fold_scale=f.score_identity and spec.positive_scale and (gluon or kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
-        tiles=gluon_tiles(spec) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
+        tiles=gluon_tiles(kernel, spec) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
         mods=mods,
         bounds=tile_bounds, grads=grads,
         log2_bias=log2_bias, atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,

@@ -7,8 +7,8 @@
             mbarriers, two consumer warp groups ping-pong asynchronous wgmma against the softmax
 
 Both tiers render one KernelPlan and print the mods with one printer (attncc.printer); only the
-template set differs. ``choose`` returns the tier and the reason, which ``explain`` and the logs
-show. The backward and the inference kernels are the Triton tier's.
+template set differs. ``choose`` (forward) and ``choose_backward`` return the tier and the reason,
+which ``explain`` and the logs show. The inference kernels are the Triton tier's.
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 # benchmarks/gluon/NOTES.md): 128 (4x16x4096: full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384
 # full 3.46 vs 3.90); at 64 it measured slower (4x32x4096 full 1.356 vs 1.208, causal 0.736 vs 0.706)
 GLUON_PAYS = (128,)
+# Head dims where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
+# benchmarks/tier_ab.py --backward)
+GLUON_BWD_PAYS = (128,)
 
 
 @lru_cache(maxsize=1)
@@ -103,3 +106,27 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
     if ops:
         return f"the mods use {', '.join(ops)}, which the Triton tier computes with libdevice"
     return None
+
+
+def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool) -> tuple[str, str]:
+    """(tier, why) of the backward of a call whose forward ran under ``fwd_spec``: the Gluon
+    kernel (one program per K/V tile, dQ added with float32 atomics) where it fits, else the
+    Triton tier's kernels."""
+    want = config.tier()
+    if want == "triton":
+        return "triton", "ATTNCC_TIER=triton"
+    if sm(fwd_spec.target) != 90:
+        return "triton", f"the Gluon tier is built for sm90 (Hopper); this target is {fwd_spec.target}"
+    d = fwd_spec.head_dim
+    why_not = _unfit(variant, fwd_spec.dtype, d, fwd_spec.head_dim_v, fwd_spec.dropout)
+    if why_not is None and learnable:
+        why_not = "learnable captured tensors: their gradients are the Triton tier's"
+    if why_not is None and deterministic:
+        why_not = "deterministic: the Gluon backward adds dQ with atomics, the Triton tier's does not"
+    if why_not is None and fwd_spec.group > 1 and "h" in variant.analysis.facts.mask_reads:
+        why_not = "GQA with a mask that reads h: the Gluon backward bounds a K/V head's query heads together"
+    if why_not:
+        return "triton", why_not
+    if want == "auto" and d not in GLUON_BWD_PAYS:
+        return "triton", f"head dim {d}: the Gluon backward measured slower than the Triton tier's (tiers.GLUON_BWD_PAYS)"
+    return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {fwd_spec.dtype}, head dim {d}: measured faster"

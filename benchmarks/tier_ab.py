@@ -1,8 +1,9 @@
-"""A/B of attncc's two forward tiers in one process: ATTNCC_TIER=triton against ATTNCC_TIER=gluon
+"""A/B of attncc's two tiers in one process: ATTNCC_TIER=triton against ATTNCC_TIER=gluon
 (templates/sm90) on the benchmark variants, bf16, do_bench medians, with the relative difference
-of the two outputs and SDPA cuDNN where it runs the cell.
+of the two results and SDPA cuDNN where it runs the cell. --backward times the backward alone
+(autograd.grad of a kept graph) and compares dQ.
 
-    python benchmarks/tier_ab.py [--only VARIANT,...] [--shapes BxHxNxD,...]
+    python benchmarks/tier_ab.py [--backward] [--only VARIANT,...] [--shapes BxHxNxD,...]
 """
 import argparse
 import os
@@ -22,7 +23,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", default=",".join(n for n in NAMES if not n.startswith("dropout")))
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    p.add_argument("--backward", action="store_true")
     args = p.parse_args()
+    kind = "bwd" if args.backward else "fwd"
     import attncc
     from triton.testing import do_bench
     rows = []
@@ -36,28 +39,44 @@ def main():
                        for h in (H, H // case.gqa, H // case.gqa))
             kernel = attncc.compile(attncc.Variant(case.score_mod, case.mask_mod))
             res = {}
-            with torch.no_grad():
-                for tier in ("triton", "gluon"):
-                    os.environ["ATTNCC_TIER"] = tier
+            for tier in ("triton", "gluon"):
+                os.environ["ATTNCC_TIER"] = tier
+                if args.backward:
+                    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+                    out = kernel(q, k, v, enable_gqa=case.gqa > 1)
+                    do = torch.randn_like(out)
+                    fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)[0]  # noqa: E731
+                else:
                     fn = lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)  # noqa: E731
-                    out = fn()
-                    ran = [s.tier for (key, kind, s), _ in attncc.api._loaded.items()
-                           if key == kernel.variant.ir_key and kind == "fwd"]
-                    res[tier] = (do_bench(fn, warmup=25, rep=100, return_mode="median"), out, tier in ran)
-                os.environ.pop("ATTNCC_TIER")
-                cudnn = None
-                if case.sdpa is not None and not case.dropout_p:
-                    from torch.nn.attention import SDPBackend, sdpa_kernel
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        cudnn = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, **case.sdpa), warmup=25,
-                                         rep=100, return_mode="median")
+                with torch.set_grad_enabled(args.backward):
+                    result = fn()
+                    ran = [s.tier for (key, kind_, s), _ in attncc.api._loaded.items()
+                           if key == kernel.variant.ir_key and kind_ == kind]
+                    res[tier] = (do_bench(fn, warmup=25, rep=100, return_mode="median"), result, tier in ran)
+            os.environ.pop("ATTNCC_TIER")
+            cudnn = None
+            if case.sdpa is not None and not case.dropout_p:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    if args.backward:
+                        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+                        o = F.scaled_dot_product_attention(qs, ks, vs, **case.sdpa)
+                        d = torch.randn_like(o)
+                        sfn = lambda: torch.autograd.grad(o, (qs, ks, vs), d, retain_graph=True)  # noqa: E731
+                    else:
+                        sfn = lambda: F.scaled_dot_product_attention(q, k, v, **case.sdpa)  # noqa: E731
+                    try:
+                        cudnn = do_bench(sfn, warmup=25, rep=100, return_mode="median")
+                    except RuntimeError:
+                        cudnn = None
             a, b = res["triton"][1].float(), res["gluon"][1].float()
             diff = ((a - b).norm() / a.norm()).item()
-            flops = 4 * B * H * N * N * D * density(case.mask_mod, N, "cuda")
+            flops = 4 * B * H * N * N * D * density(case.mask_mod, N, "cuda") * (2.5 if args.backward else 1)
             rows.append((name, "x".join(map(str, shape)), res["triton"][0], res["gluon"][0], res["gluon"][2], cudnn,
                          flops / res["gluon"][0] / 1e9, diff))
             print(rows[-1], flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward ms (do_bench median)\n")
+    what = "backward (counted as 2.5x the forward's FLOPs)" if args.backward else "forward"
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {what} ms (do_bench median)\n")
     print("| variant | B×H×N×D | triton tier | gluon tier | gluon ran | triton/gluon | cuDNN | gluon TFLOP/s | rel diff |")
     print("|---|---|--:|--:|---|--:|--:|--:|--:|")
     for name, shape, t, gms, ran, cud, tf, diff in rows:

@@ -78,7 +78,10 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in src and "def producer(" in src and "def consumer(" in src
     assert "Gluon tier" not in kernel.source("fwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
-    assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
+    bwd = kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
+    assert "Gluon tier (Hopper)" in bwd and "def attn_bwd(" in bwd and "gl.atomic_add(" in bwd
+    assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
+    assert "backward, sm90, bfloat16, head dim 128: gluon" in text
 
 
 # Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library

@@ -104,3 +104,94 @@ def test_gluon_forward_feeds_the_backward(monkeypatch):
         err = ((g - w).norm() / w.norm()).item()
         assert torch.isfinite(g).all() and err < 2e-2, f"{name}: {err:.2e}"
 
+
+
+# --- the backward (templates/sm90/attn_bwd.py.jinja) ---------------------------------------------
+BWD_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}  # as tests/test_gpu_backward.py
+BWD_SHAPES = {"2x3x17": (2, 3, 3, 17, 17, 128), "gqa8:2-1000": (2, 8, 2, 1000, 1000, 128),
+              "Lq300-Lkv1500": (1, 4, 4, 300, 1500, 128), "Lq1500-Lkv300": (1, 4, 4, 1500, 300, 128),
+              "Lq1-Lkv777": (2, 2, 2, 1, 777, 128), "D64-gqa4:1-Lq1000": (1, 4, 1, 1000, 1000, 64),
+              "whole-tiles-2x4x1024": (2, 4, 4, 1024, 1024, 128)}
+BWD_FP16 = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq1000")
+
+
+def _bwd_modules(tier: str):
+    return [m for (_, kind, spec), (_, m) in attncc.api._loaded.items() if kind == "bwd" and spec.tier == tier]
+
+
+def _grads(name, shape, dtype, seed, layout="bhld"):
+    B, Hq, Hkv, Lq, Lkv, D = shape
+    torch.manual_seed(zlib.crc32(seed.encode()))
+    score_mod, mask_mod = BUILDERS[name](B, Hq, Lq, Lkv, "cuda")
+
+    def make(h, n):
+        if layout == "blhd":  # (B, L, H, D) storage seen as (B, H, L, D)
+            return torch.randn(B, n, h, D, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        return torch.randn(B, h, n, D, device="cuda", dtype=dtype, requires_grad=True)
+    q, k, v = make(Hq, Lq), make(Hkv, Lkv), make(Hkv, Lkv)
+    out = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    do = torch.randn_like(out)
+    return (q, k, v, score_mod, mask_mod, do), torch.autograd.grad(out, (q, k, v), do)
+
+
+@pytest.mark.parametrize("name,shape,dt", [(n, s, d) for n in GLUON_VARIANTS for s in BWD_SHAPES for d in DTYPES
+                                            if d == "bf16" or s in BWD_FP16])
+def test_gluon_backward_matches_reference(name, shape, dt, monkeypatch):
+    """dQ, dK, dV of the Gluon backward against float64 autograd through the reference (NaN fails)."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    dtype = DTYPES[dt]
+    before = len(_bwd_modules("gluon"))
+    (q, k, v, score_mod, mask_mod, do), got = _grads(name, BWD_SHAPES[shape], dtype, f"gbwd-{name}-{shape}-{dt}")
+    assert len(_bwd_modules("gluon")) > before or _bwd_modules("gluon"), "the forced Gluon backward did not run"
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = attncc.reference.attention(qd, kd, vd, score_mod, mask_mod, enable_gqa=q.shape[1] != k.shape[1])
+    want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    for label, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all(), f"{label}: non-finite values"
+        err = ((g.double() - w).norm() / w.norm().clamp_min(1e-30)).item()
+        assert err < BWD_TOL[dtype], f"{label}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_gluon_and_triton_backward_agree(dt, monkeypatch):
+    """The Triton tier's backward is the oracle: both tiers on the same inputs, (B, L, H, D) views."""
+    dtype = DTYPES[dt]
+    for name in GLUON_VARIANTS:
+        grads = []
+        for tier in ("gluon", "triton"):
+            monkeypatch.setenv("ATTNCC_TIER", tier)
+            grads.append(_grads(name, BWD_SHAPES["gqa8:2-1000"], dtype, f"agree-bwd-{name}-{dt}", layout="blhd")[1])
+        for label, g, w in zip(("dq", "dk", "dv"), *grads):
+            err = ((g.double() - w.double()).norm() / w.double().norm()).item()
+            assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"{name} {label}: tiers differ by {err:.2e}"
+    assert _bwd_modules("gluon")
+
+
+def test_gluon_backward_fully_masked_rows_and_keys(monkeypatch):
+    """Rows and keys the mask empties get zero gradients, never NaN."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    torch.manual_seed(4)
+    B, H, L, D = 1, 2, 777, 128
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = lambda b, h, q_idx, kv_idx: (q_idx < 300) & (kv_idx <= q_idx) | (q_idx > 600) & (kv_idx > 500)  # noqa: E731
+    out = attncc.attention(q, k, v, None, mask)
+    out.float().square().sum().backward()
+    assert _bwd_modules("gluon")
+    assert (q.grad[:, :, 300:601] == 0).all() and (k.grad[:, :, 300:501] == 0).all()
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    attncc.reference.attention(qd, kd, vd, None, mask).square().sum().backward()
+    for g, w in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        assert torch.isfinite(g).all() and ((g.double() - w).norm() / w.norm()).item() < 3e-2
+
+
+def test_gluon_backward_tier_choice(monkeypatch):
+    """Learnable captures and deterministic mode keep the Triton tier's backward."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    torch.manual_seed(6)
+    slopes = torch.rand(4, device="cuda", requires_grad=True)
+    q, k, v = (torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    attncc.api._loaded.clear()
+    out = attncc.attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx))
+    out.sum().backward()
+    assert _bwd_modules("triton") and not _bwd_modules("gluon")
+    assert slopes.grad is not None and torch.isfinite(slopes.grad).all()
