@@ -137,19 +137,25 @@ def _grads(name, shape, dtype, seed, layout="bhld"):
 @pytest.mark.parametrize("name,shape,dt", [(n, s, d) for n in GLUON_VARIANTS for s in BWD_SHAPES for d in DTYPES
                                             if d == "bf16" or s in BWD_FP16])
 def test_gluon_backward_matches_reference(name, shape, dt, monkeypatch):
-    """dQ, dK, dV of the Gluon backward against float64 autograd through the reference (NaN fails)."""
-    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    """dQ, dK, dV of the Gluon backward against float64 autograd through the reference (NaN fails):
+    within the dtype's tolerance relative to the gradient, or (where the exact gradient is about 0,
+    as dQ of a query that sees one key) within twice the Triton tier's error on the same inputs."""
     dtype = DTYPES[dt]
+    seed = f"gbwd-{name}-{shape}-{dt}"
+    monkeypatch.setenv("ATTNCC_TIER", "triton")
+    _, oracle = _grads(name, BWD_SHAPES[shape], dtype, seed)
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
     before = len(_bwd_modules("gluon"))
-    (q, k, v, score_mod, mask_mod, do), got = _grads(name, BWD_SHAPES[shape], dtype, f"gbwd-{name}-{shape}-{dt}")
+    (q, k, v, score_mod, mask_mod, do), got = _grads(name, BWD_SHAPES[shape], dtype, seed)
     assert len(_bwd_modules("gluon")) > before or _bwd_modules("gluon"), "the forced Gluon backward did not run"
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = attncc.reference.attention(qd, kd, vd, score_mod, mask_mod, enable_gqa=q.shape[1] != k.shape[1])
     want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
-    for label, g, w in zip(("dq", "dk", "dv"), got, want):
+    for label, g, t, w in zip(("dq", "dk", "dv"), got, oracle, want):
         assert torch.isfinite(g).all(), f"{label}: non-finite values"
-        err = ((g.double() - w).norm() / w.norm().clamp_min(1e-30)).item()
-        assert err < BWD_TOL[dtype], f"{label}: relative error {err:.2e}"
+        err, triton_err = (g.double() - w).norm().item(), (t.double() - w).norm().item()
+        bound = max(BWD_TOL[dtype] * w.norm().item(), 2 * triton_err)
+        assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g} (|grad| {w.norm().item():.3g}, Triton tier {triton_err:.3g})"
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))

@@ -1,0 +1,95 @@
+"""Probe the Gluon backward (templates/sm90/attn_bwd.py.jinja) on a Hopper GPU: render it for a
+variant, apply text patches that switch parts of the schedule off or change its knobs, and time
+each patched kernel against the unpatched one and the Triton tier's backward (do_bench medians,
+bf16). Patched kernels compute wrong gradients where a patch drops work: they are timings only.
+
+    python benchmarks/gluon/bwd_probe.py [--shapes BxHxNxD,...] [--only full,causal]
+"""
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from variants import make_cases  # noqa: E402
+
+# name -> [(old text, new text)] applied to the rendered source; each old text must occur
+PATCHES = {
+    "base": [],
+    "no-dq-atomics": [("mask=gl.expand_dims(dq_rows < p.N_CTX_Q, 1)", "mask=gl.expand_dims(dq_rows < p.N_CTX_Q - 2000000000, 1)")],
+    "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
+    "stages-3": [("STAGES=2", "STAGES=3")],
+}
+
+
+def render(case, D, group):
+    import attncc
+    from attncc import codegen, plan
+    from attncc.spec import Spec
+    variant = attncc.Variant(case.score_mod, case.mask_mod)
+    spec = Spec("bfloat16", D, D, group, "cuda-sm90", tier="gluon")
+    return variant, codegen.render(plan.build("bwd", variant.analysis, spec, variant.captures))
+
+
+def load(text, name, folder):
+    from attncc import runtime
+    path = Path(folder) / f"bwd_{name}.py"
+    path.write_text(text)
+    return runtime.load(path, False, text)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="4x16x4096x128,1x16x16384x128")
+    p.add_argument("--only", default="full,causal")
+    p.add_argument("--patches", default=",".join(PATCHES))
+    args = p.parse_args()
+    import attncc
+    from triton.testing import do_bench
+    rows = []
+    folder = tempfile.mkdtemp()
+    for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
+        B, H, N, D = shape
+        cases = make_cases(H, N, "cuda")
+        for name in args.only.split(","):
+            case = cases[name]
+            Hkv = H // case.gqa
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(B, h, N, D, generator=g, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+            variant, text = render(case, D, case.gqa)
+            caps = [c.tensor for c in variant.captures]
+            out, lse = attncc.attention(q, k, v, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1, return_lse=True)
+            do = torch.randn_like(out)
+            scale = D ** -0.5
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            times = {}
+            for patch in args.patches.split(","):
+                src = text
+                for old, new in PATCHES[patch]:
+                    assert old in src, (patch, old)
+                    src = src.replace(old, new)
+                module = load(src, f"{name}_{patch}", folder)
+                fn = lambda: module.launch(q, k, v, out, lse, do, None, dq, dk, dv, caps, [], scale)  # noqa: E731
+                fn()
+                times[patch] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                print(name, shape, patch, f"{times[patch]:.3f}", flush=True)
+            qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
+            import os
+            os.environ["ATTNCC_TIER"] = "triton"
+            o2 = attncc.attention(qt, kt, vt, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1)
+            tri = do_bench(lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True), warmup=25, rep=100,
+                           return_mode="median")
+            os.environ.pop("ATTNCC_TIER")
+            rows.append((name, "x".join(map(str, shape)), tri, times))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, backward ms (do_bench median)\n")
+    patches = args.patches.split(",")
+    print("| variant | shape | triton tier | " + " | ".join(patches) + " |")
+    print("|---|---|--:|" + "--:|" * len(patches))
+    for name, shape, tri, times in rows:
+        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f}" for p in patches) + " |")
+
+
+if __name__ == "__main__":
+    main()
