@@ -21,6 +21,8 @@ PATCHES = {
     "no-dq-atomics": [("mask=gl.expand_dims(dq_rows < p.N_CTX_Q, 1)", "mask=gl.expand_dims(dq_rows < p.N_CTX_Q - 2000000000, 1)")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
+    "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
+                 ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = gl.program_id(0) // p.BH_KV * (2 * p.BLOCK_N)")],
 }
 
 
