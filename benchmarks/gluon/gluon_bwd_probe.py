@@ -3,7 +3,7 @@ variant, apply text patches that switch parts of the schedule off or change its 
 each patched kernel against the unpatched one and the Triton tier's backward (do_bench medians,
 bf16). Patched kernels compute wrong gradients where a patch drops work: they are timings only.
 
-    python benchmarks/gluon/bwd_probe.py [--shapes BxHxNxD,...] [--only full,causal]
+    python benchmarks/gluon/gluon_bwd_probe.py [--shapes BxHxNxD,...] [--only full,causal]
 """
 import argparse
 import sys
