@@ -18,7 +18,7 @@ from variants import make_cases  # noqa: E402
 # name -> [(old text, new text)] applied to the rendered source; each old text must occur
 PATCHES = {
     "base": [],
-    "no-dq-atomics": [("w * HALF_D + c, vals, sem=\"relaxed\")", "w * HALF_D + c, vals, mask=c < 0, sem=\"relaxed\")")],
+    "no-dq-add": [("    _tma_add(p.dq_desc, [b, h, m0, WG * HALF_D], dq_smem.reshape([1, 1, BLOCK_M, HALF_D]))\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
     "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
