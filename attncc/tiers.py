@@ -23,9 +23,12 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 # benchmarks/gluon/NOTES.md): 128 (4x16x4096: full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384
 # full 3.46 vs 3.90); at 64 it measured slower (4x32x4096 full 1.356 vs 1.208, causal 0.736 vs 0.706)
 GLUON_PAYS = (128,)
-# Head dims where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
-# benchmarks/tier_ab.py --backward)
-GLUON_BWD_PAYS = (128,)
+# Head dims where the Gluon backward measured faster than the Triton tier's: none yet. H100, bf16,
+# triton 3.6, ms Triton -> Gluon (benchmarks/gluon/gluon_bwd_probe.py): full 4x16x4096x128 3.17 ->
+# 3.55, causal 1.78 -> 1.90, full 1x16x16384x128 12.43 -> 13.32, causal 6.35 -> 7.17. Without its dQ
+# reduce-add it runs 2.64 / 1.54 / 9.72 / 5.69: the float32 dQ traffic is what it loses on.
+# ATTNCC_TIER=gluon runs it.
+GLUON_BWD_PAYS: tuple = ()
 
 
 @lru_cache(maxsize=1)

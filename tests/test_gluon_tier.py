@@ -78,10 +78,13 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in src and "def producer(" in src and "def consumer(" in src
     assert "Gluon tier" not in kernel.source("fwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
+    # the Gluon backward runs where it is asked for (ATTNCC_TIER=gluon): it measured slower so far
+    assert "backward, sm90, bfloat16, head dim 128: triton (head dim 128: the Gluon backward measured slower" in text
+    assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
     bwd = kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
-    assert "Gluon tier (Hopper)" in bwd and "def attn_bwd(" in bwd and "gl.atomic_add(" in bwd
-    assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
-    assert "backward, sm90, bfloat16, head dim 128: gluon" in text
+    assert "Gluon tier (Hopper)" in bwd and "def attn_bwd(" in bwd and "_tma_add(" in bwd
+    assert "backward, sm90, bfloat16, head dim 64: gluon" in kernel.explain()
 
 
 # Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library
@@ -96,49 +99,71 @@ from triton.compiler import make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 from attncc import runtime
-path, d, group, dtype, shapes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), json.loads(sys.argv[5])
+path, d, group, dtype, shapes, kind = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]),
+                                      json.loads(sys.argv[5]), sys.argv[6])
 module = runtime.load(Path(path), False, Path(path).read_text())
 B, H, Lq, Lkv = 2, 2 * group, 300, 777
 q, out = (torch.zeros(B, H, Lq, d, dtype=dtype) for _ in range(2))
 k = torch.zeros(B, H // group, Lkv, d, dtype=dtype)
-block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
-args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
-        module._descriptor(out, block_m), torch.zeros(B, H, Lq)]
+rows = torch.zeros(B, H, Lq)
+caps = []
 for shape in shapes:
     c = torch.zeros(shape)
-    args += [c] + [x for dim in range(c.dim()) for x in (c.shape[dim], c.stride(dim))]
-args += [H, B * H, Lq, Lkv, 0.125]
-kwargs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, GROUP=group, num_warps=4, maxnreg=168)
+    caps += [c] + [x for dim in range(c.dim()) for x in (c.shape[dim], c.stride(dim))]
 target = GPUTarget("cuda", 90, 128)
 backend = make_backend(target)
-fn = module.attn_fwd
-bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
-options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def compile_for_sm90(fn, args, kwargs):
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+if kind == "fwd":
+    block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
+    args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
+            module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 0.125]
+    compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+                                                            GROUP=group, num_warps=4, maxnreg=168))
+else:
+    block_m, block_n, _, stages = module.LAUNCH_TILES["attn_bwd"]
+    dq = module._descriptor(torch.zeros(B, H, Lq, d), block_m, d // 2)
+    args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
+            module._descriptor(out, block_m), rows, rows, dq, k, k, *k.stride(), *k.stride(), *caps,
+            H, B * H // group, Lq, Lkv, 0.125]
+    compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+                                                             GROUP=group, num_warps=4, maxnreg=168))
+    compile_for_sm90(module.attn_bwd_preprocess, [out, out, rows, rows, rows, rows, torch.zeros(B, H, Lq, d),
+                                                  *out.stride(), *out.stride(), H, Lq],
+                     dict(HEAD_DIM=d, BLOCK_M=64, HAS_DLSE=True, num_warps=4))
 assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
 print("compiled", compiled.metadata.shared)
 """
 
 
 TRIG = "trig"  # score_mod with sin, cos and sigmoid (printed as Gluon's functions or its helpers)
-CASES = [(name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] + [
-    ("causal", 128, 4, "float16"), ("alibi", 64, 2, "bfloat16"), ("full", 64, 1, "float16")]
+CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] + [
+    ("fwd", "causal", 128, 4, "float16"), ("fwd", "alibi", 64, 2, "bfloat16"), ("fwd", "full", 64, 1, "float16")] + [
+    ("bwd", name, 128, 1, "bfloat16") for name in ("full", "causal", "alibi", "softcap", "rel_bias", TRIG)] + [
+    ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16")]
 
 
-@pytest.mark.parametrize("name,d,group,dtype", CASES, ids=[f"{n}-d{d}-g{g}-{t}" for n, d, g, t in CASES])
-def test_rendered_gluon_kernel_compiles_for_sm90(name, d, group, dtype, tmp_path):
+@pytest.mark.parametrize("kind,name,d,group,dtype", CASES, ids=[f"{k}-{n}-d{d}-g{g}-{t}" for k, n, d, g, t in CASES])
+def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tmp_path):
     variant = _variant(name, H=2 * group)
     spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon")
-    source = codegen.render(plan.build("fwd", variant.analysis, spec, variant.captures))
-    path = tmp_path / f"fwd_{name}.py"
+    source = codegen.render(plan.build(kind, variant.analysis, spec, variant.captures))
+    path = tmp_path / f"{kind}_{name}.py"
     path.write_text(source)
     module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)
     assert module.TIER == "gluon"
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
-    assert not isinstance(inspect.signature(module._block_range.fn).parameters["BLOCK_Q"].annotation, str)
+    helper, param = (module._block_range, "BLOCK_Q") if kind == "fwd" else (module._q_range, "BLOCK_KV")
+    assert not isinstance(inspect.signature(helper.fn).parameters[param].annotation, str)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNCC_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     shapes = [list(c.tensor.shape) for c in variant.captures]
-    result = subprocess.run([sys.executable, "-c", COMPILE, str(path), str(d), str(group), dtype, json.dumps(shapes)],
+    result = subprocess.run([sys.executable, "-c", COMPILE, str(path), str(d), str(group), dtype, json.dumps(shapes), kind],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
