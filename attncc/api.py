@@ -43,7 +43,15 @@ class CompiledAttention:
                               "build one with attncc.Variant(score_mod, mask_mod)")
         self.variant = variant
         self._bwd_specs: dict = {}  # (forward Spec, learnable, deterministic, atomic dQ, tier) -> backward Spec
+        # call signature -> autograd.Decision: what the checks and decisions of such a call
+        # concluded (the Specs of the kernels that launched); a cache, left out of copies
+        self._calls: dict = {}
         autograd.register(self)  # the attention op finds it by the variant's key
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_calls"] = {}  # a cache of this process: a copy decides afresh
+        return state
 
     def __repr__(self):
         return f"CompiledAttention({self.variant!r})"

@@ -1,9 +1,11 @@
 """Autograd around the generated kernels: an autograd.Function for eager calls and torch.library
-custom ops for torch.compile, both running the same launch code (run_forward, run_backward).
+ops for torch.compile, all running the same launch code (run_forward, run_backward).
 
     attncc::attention(q, k, v, captures, rng, variant, scale, dropout_p, deterministic) -> (out, lse)
     attncc::attention_backward(dout, dlse, q, k, v, out, lse, captures, rng, variant, scale,
                                dropout_p, deterministic, learnable) -> (dq, dk, dv, dcaptures)
+    attncc::attention_dropout, attncc::attention_dropout_backward: the same, for calls with
+                               dropout, tagged cudagraph_unsafe (see below)
 
 To torch.compile each op is one opaque node whose fake implementation gives the output shapes,
 so a compiled model has no graph break and a length can be one symbolic size. An op's arguments
@@ -18,8 +20,18 @@ are tensors and scalars only, so what a call needs crosses as such:
             torch.randint, which traces into a compiled graph (``.tolist()`` would break it);
             None when dropout is off. The op reads it on the host.
 
-Eager calls skip the op: its dispatch (schema defaults, pytree flattening of the capture list,
-dynamo's disable wrapper) costs ~0.2 ms more per forward + backward than the Function.
+CUDA graphs (torch.compile(mode="reduce-overhead"), torch.cuda.graph): a call without dropout is
+device work only -- no host read of a device tensor, no CPU tensor, tile lists of block-sparse
+masks classified inside the graph (Launch.blocks) -- so a replay computes what a fresh call
+would. Dropout's seeds are host numbers the kernels take as arguments, which a replay would
+repeat: its ops are kept out of the graphs, and a capture of a dropout call is refused (_seeds).
+
+Host time per call: the checks and decisions of a call (Spec, tier, descriptor modes, the
+module that fits) are kept per signature of its inputs (``signature``, ``Decision``), so a
+repeated call pays one key and one lookup; benchmarks/host_path.py measures the path with the
+kernel launches taken out. Eager calls skip the op: its dispatch (schema defaults, pytree
+flattening of the capture list, dynamo's disable wrapper) costs ~0.2 ms more per forward +
+backward than the Function.
 
 Backward follows FlashAttention-2: a preprocess kernel computes Delta = rowsum(dO * O) - dlse,
 the dK/dV kernel and the dQ kernel recompute P from lse tile by tile; learnable captured tensors
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -37,7 +50,8 @@ import torch
 from torch import Tensor
 
 from . import blocks, config, runtime, tiers
-from .checks import captures_in_range, check_capture_indices, check_captures, check_qkv, check_storage
+from .checks import (captures_in_range, check_capture_indices, check_captures, check_qkv, check_storage,
+                     own_captures, signature)
 from .errors import AttnccError
 from .log import logger
 from .spec import Spec
@@ -51,6 +65,7 @@ class Launch:
     scale: float
     rng: tuple = ()         # (seed, offset, dropout_p) when dropout is on
     deterministic: bool = False
+    call: object = None     # the Decision of calls like this one (run_forward fills in its module)
 
     @property
     def interpret(self) -> bool:
@@ -62,8 +77,43 @@ class Launch:
             return None
         fwd = module if hasattr(module, "classify") else self.compiled.module("fwd", self.spec)  # it classifies
         caps = runtime.interp_captures(captures) if self.interpret else captures
-        return blocks.for_module(module, fwd, caps, q.shape[0], q.shape[1], q.shape[2], k.shape[2],
-                                 fwd.CLASS_PER_HEAD, q.device)
+        args = (module, fwd, caps, q.shape[0], q.shape[1], q.shape[2], k.shape[2], fwd.CLASS_PER_HEAD, q.device)
+        if q.is_cuda and _graph_pool_call(q.device):
+            return _captured_blocks(*args)
+        return blocks.for_module(*args)
+
+
+def _graph_pool_call(device) -> bool:
+    """Whether a CUDA call runs for a CUDA graph: captured (torch.cuda.graph, or the recording run
+    of torch.compile(mode="reduce-overhead")'s cudagraph trees), or in the trees' warm-up run,
+    which allocates from the graphs' memory pool and then checks that nothing but its outputs
+    stayed alive there. (The trees' state is read from torch._inductor, where it is private:
+    unreadable, the call counts as not for a graph.)"""
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # not imported: no trees
+    if trees is None:
+        return False
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        return manager is not None and bool(manager.in_warmup)
+    except Exception:  # another torch's private state
+        return False
+
+
+def _captured_blocks(module, fwd, captures, B, H, Lq, Lkv, per_head, device) -> dict:
+    """blocks.for_module without its caches, for a call run for a CUDA graph (_graph_pool_call).
+    Captured, the classification and the tile lists must be kernels of the graph, so that each
+    replay classifies the captured tensors' contents of that replay: a cached table would be read
+    as it was at capture time, and a document mask whose ids change between steps would keep the
+    first step's tiles. In the warm-up run, a table kept in the cache would be memory of the
+    graphs' pool that cudagraph trees find alive and refuse. Device work only (no host sync)."""
+    X = B * H if per_head else 1
+    table = torch.empty(X, -(-Lq // blocks.FINE), -(-Lkv // blocks.FINE), dtype=torch.int8, device=device)
+    if table.numel():
+        fwd.classify(table, captures, H, Lq, Lkv, blocks.FINE)
+    return {fn: blocks.tile_lists(table, o, i, transpose=fn == "attn_bwd_dkdv") for fn, (o, i) in module.TILES.items()}
 
 
 _fitted: dict = {}  # (variant, kernel, spec) -> the spec (tile shrink level) that launched
@@ -106,8 +156,19 @@ def register(compiled) -> None:
     _live.setdefault(compiled.variant.ir_key, weakref.WeakSet()).add(compiled)
 
 
+_last: dict = {}  # variant key -> weak reference to the CompiledAttention _find returned last
+
+
 def _find(key: str):
-    return next(iter(_live.get(key, ())), None)
+    """A live CompiledAttention registered under ``key``, or None. The op runs this on every call:
+    the one found last is kept by weak reference (iterating a WeakSet takes a guard: ~1 us)."""
+    ref = _last.get(key)
+    compiled = ref() if ref is not None else None
+    if compiled is None:
+        compiled = next(iter(_live.get(key, ())), None)
+        if compiled is not None:
+            _last[key] = weakref.ref(compiled)
+    return compiled
 
 
 def lookup(key: str):
@@ -123,7 +184,10 @@ _specs: dict = {}  # the Specs calls have built, by their fields: one object per
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic) -> Launch:
+def _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic, call=None) -> Launch:
+    """The Launch of a call from its inputs: the Spec (target, TMA and warp-specialisation modes,
+    captures read in range, tier) and the scale. Callers keep it per signature of the inputs
+    (``signature``, ``remember``): a repeated call forms one key instead."""
     dropout = rng is not None
     target = runtime.target_for(q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -139,15 +203,69 @@ def _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic) -
         _, d, dv, group, *_ = fields
         spec = _specs[fields] = Spec(dtype, d, dv, group, target, dropout, tma=tma, ws=ws,
                                      positive_scale=scale > 0, in_range=in_range, tier=tier)
-    seeds = (*rng.tolist(), dropout_p) if dropout else ()
-    return Launch(compiled, spec, scale, seeds, deterministic)
+    return Launch(compiled, spec, scale, _seeds(rng, dropout_p, q), deterministic, call)
+
+
+def _seeds(rng, dropout_p, q) -> tuple:
+    """(seed, offset, dropout_p) from the int64 tensor of two draw_rng made; () without dropout.
+    The seeds are read on the host and passed as numbers, so a CUDA graph capturing the call
+    would replay its mask forever: refused (torch.compile keeps the attncc::attention_dropout
+    ops out of its graphs; a hand-made torch.cuda.graph or another op's caller gets this error)."""
+    if rng is None:
+        return ()
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise AttnccError(
+            "attncc dropout cannot run inside a CUDA graph capture: its seeds are read on the host, so every "
+            "replay would drop the same attention weights. Capture the model in evaluation (training=False, "
+            "model.eval()) or with dropout_p=0, or leave this call outside the graph (torch.compile "
+            "does that for attncc's own dropout op under mode=\"reduce-overhead\")")
+    return (*rng.tolist(), dropout_p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions per signature. Every call used to check its inputs, find its Spec and the generated
+# module that fits: 6.2 us per forward on the CPU-only box (check_qkv 1.5, check_capture_indices
+# 1.0, _launch 3.7), more on an sm90 GPU, where the TMA and tier choices inspect q, k and v, plus
+# 1-2 us of module lookups in with_fallback per kernel. All of it is a function of the call's
+# signature, so a call whose signature was checked and decided before forms the key and looks it
+# up: 3.5 us (signature 2.9, the lookup 0.6).
+
+class Decision:
+    """What the checks and decisions of one signature concluded: the forward's Spec, the scale,
+    the Spec whose forward module launched (None until one did; with_fallback may have shrunk
+    the tiles) and those of the backward, by backward Spec (CompiledAttention.bwd_spec). Specs,
+    not modules: a call finds the module through CompiledAttention.module (one lookup), so a
+    process that forgets its loaded kernels finds and verifies the files again."""
+    __slots__ = ("spec", "scale", "fwd", "bwd")
+
+    def __init__(self, spec, scale):
+        self.spec, self.scale, self.fwd, self.bwd = spec, scale, None, {}
+
+
+MAX_DECISIONS = 1024  # signatures one CompiledAttention keeps before it starts over
+
+
+def remember(compiled, sig, launch: Launch) -> None:
+    """Keep ``launch``'s decisions for calls of signature ``sig`` (checked and decided)."""
+    calls = compiled._calls
+    if len(calls) >= MAX_DECISIONS:  # many lengths (dynamic shapes): start over
+        calls.clear()
+    launch.call = calls[sig] = Decision(launch.spec, launch.scale)
 
 
 def run_forward(launch: Launch, q, k, v, captures):
     """out (B, H, Lq, Dv) in q's dtype and float32 lse (B, H, Lq): the kernels of both paths."""
-    return with_fallback(launch.compiled, "fwd", launch.spec, lambda module: runtime.forward(
+    call = launch.call
+    if call is not None and call.fwd is not None:  # launched before under this signature: the tiles fit
+        module = launch.compiled.module("fwd", call.fwd)
+        return runtime.forward(module, q, k, v, captures, launch.scale, launch.interpret, launch.rng,
+                               launch.blocks(module, q, k, captures) if module.BLOCK_SPARSE else None)
+    result = with_fallback(launch.compiled, "fwd", launch.spec, lambda module: runtime.forward(
         module, q, k, v, captures, launch.scale, launch.interpret, launch.rng, launch.blocks(module, q, k, captures)),
         q, k)
+    if call is not None and not config.autotune():  # the tuner may choose per call
+        call.fwd = _fitted.get((launch.compiled.variant.ir_key, "fwd", launch.spec))
+    return result
 
 
 def run_backward(launch: Launch, dout, dlse, q, k, v, out, lse, captures, learnable: tuple):
@@ -155,9 +273,23 @@ def run_backward(launch: Launch, dout, dlse, q, k, v, out, lse, captures, learna
     spec = launch.compiled.bwd_spec(launch.spec, learnable, launch.deterministic)
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dcaps = with_fallback(launch.compiled, "bwd", spec, lambda module: runtime.backward(
-        module, q, k, v, out, lse, dout, dlse, captures, learnable, launch.scale, launch.interpret,
-        launch.rng, spec.deterministic, launch.blocks(module, q, k, captures)), q, k)
+    call = launch.call
+    fitted = call.bwd.get(spec) if call is not None else None
+    if fitted is not None:  # launched before for this signature and backward Spec
+        module = launch.compiled.module("bwd", fitted)
+        dq, dk, dv, dcaps = runtime.backward(
+            module, q, k, v, out, lse, dout, dlse, captures, learnable, launch.scale, launch.interpret, launch.rng,
+            spec.deterministic, launch.blocks(module, q, k, captures) if module.BLOCK_SPARSE else None)
+    else:
+        dq, dk, dv, dcaps = with_fallback(launch.compiled, "bwd", spec, lambda module: runtime.backward(
+            module, q, k, v, out, lse, dout, dlse, captures, learnable, launch.scale, launch.interpret,
+            launch.rng, spec.deterministic, launch.blocks(module, q, k, captures)), q, k)
+        if call is not None and not config.autotune():
+            fitted = _fitted.get((launch.compiled.variant.ir_key, "bwd", spec))
+            if fitted is not None:
+                call.bwd[spec] = fitted
+    if not learnable:
+        return dq, dk, dv, []
     return dq, dk, dv, [g.to(captures[i].dtype) for i, g in zip(learnable, dcaps)]
 
 
@@ -178,7 +310,8 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *captures = ctx.saved_tensors
-        learnable = tuple(i for i in range(len(captures)) if ctx.needs_input_grad[4 + i])
+        needs = ctx.needs_input_grad
+        learnable = tuple([i for i in range(len(captures)) if needs[4 + i]]) if captures else ()
         dq, dk, dv, dcaps = run_backward(ctx.launch, dout, dlse, q, k, v, out, lse, captures, learnable)
         grads = [None] * len(captures)
         for i, g in zip(learnable, dcaps):
@@ -187,38 +320,79 @@ class AttentionFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.compile: the custom ops, their fake implementations and autograd
+# torch.compile: the ops, their fake implementations and autograd
 
-@torch.library.custom_op("attncc::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, captures: List[Tensor], rng: Optional[Tensor], variant: str,
-                 scale: Optional[float], dropout_p: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+_GRAPH_UNSAFE = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+_ATTENTION = ("(Tensor q, Tensor k, Tensor v, Tensor[] captures, Tensor? rng, str variant, float? scale, "
+              "float dropout_p, bool deterministic) -> (Tensor, Tensor)")
+_ATTENTION_BACKWARD = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                       "Tensor[] captures, Tensor? rng, str variant, float? scale, float dropout_p, "
+                       "bool deterministic, SymInt[] learnable) -> (Tensor, Tensor, Tensor, Tensor[])")
+# The ops are defined with torch.library.Library rather than torch.library.custom_op, whose
+# wrapper adds Python layers and an output-aliasing check to every call of the op, which is what
+# a compiled graph calls: on the CPU-only box the forward op 28.7 -> 25.6 us, the backward op
+# 35.7 -> 24.2 us (benchmarks/host_path.py --stat min, causal 4x8x128x64, launches taken out).
+# The library lives as long as this module: dropping it would unregister the ops.
+_LIB = torch.library.Library("attncc", "FRAGMENT")
+
+
+def _define(name: str, schema: str, impl, fake, graph_safe: bool = True):
+    """Define attncc::<name> with ``impl`` on every backend and ``fake`` for torch.compile's
+    tracing; ``graph_safe=False`` tags it cudagraph_unsafe, so that
+    torch.compile(mode="reduce-overhead") runs it outside the CUDA graphs (inductor partitions
+    the graph around it; a torch without graph partitions or without the tag skips CUDA graphs
+    for a graph whose dropout seeds come from a CPU tensor anyway)."""
+    tags = [torch.Tag.pt2_compliant_tag]  # as torch.library.custom_op tags its ops
+    if not graph_safe and _GRAPH_UNSAFE is not None:
+        tags.append(_GRAPH_UNSAFE)
+    _LIB.define(name + schema, tags=tags)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"attncc::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.attncc, name).default
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, captures: List[Tensor], rng: Optional[Tensor], variant: str,
+               scale: Optional[float], dropout_p: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
     """out (B, H, Lq, Dv) in q's dtype and float32 lse (B, H, Lq); inputs are checked by the caller,
     but for the captured tensors' sizes against this call's lengths, which are checked here."""
     compiled = lookup(variant)
     check_inputs_stored(compiled.variant, q, k, v, captures)
-    caps = compiled.variant.captures
-    if len(caps) == len(captures) and all(c.tensor is t for c, t in zip(caps, captures)):
-        check_capture_indices(compiled.variant, q, k)  # it reads the sizes of the variant's own tensors
-    return run_forward(_launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic), q, k, v, captures)
+    own = own_captures(compiled.variant, captures)
+    sig = signature(q, k, v, captures, ("op", own), rng is not None, scale, deterministic)
+    call = compiled._calls.get(sig) if sig is not None else None
+    if call is not None:
+        launch = Launch(compiled, call.spec, call.scale, _seeds(rng, dropout_p, q), deterministic, call)
+    else:
+        if own:
+            check_capture_indices(compiled.variant, q, k)  # it reads the sizes of the variant's own tensors
+        launch = _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic)
+        if sig is not None:
+            remember(compiled, sig, launch)
+    return run_forward(launch, q, k, v, captures)
 
 
-@attention_op.register_fake
 def _attention_fake(q, k, v, captures, rng, variant, scale, dropout_p, deterministic):
     B, H, Lq, _ = q.shape
     return runtime._like_query_layout(q, v.shape[-1], q.dtype), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
-@torch.library.custom_op("attncc::attention_backward", mutates_args=())
-def attention_backward_op(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                          lse: Tensor, captures: List[Tensor], rng: Optional[Tensor], variant: str,
-                          scale: Optional[float], dropout_p: float, deterministic: bool,
-                          learnable: List[int]) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
+def _attention_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, captures: List[Tensor], rng: Optional[Tensor], variant: str,
+                        scale: Optional[float], dropout_p: float, deterministic: bool,
+                        learnable: List[int]) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
     """dq, dk, dv and the gradients of captures[i] for i in learnable (in the captures' dtypes)."""
-    launch = _launch(lookup(variant), q, k, v, captures, rng, scale, dropout_p, deterministic)
+    compiled = lookup(variant)
+    sig = signature(q, k, v, captures, "backward", rng is not None, scale, deterministic)  # no checks here
+    call = compiled._calls.get(sig) if sig is not None else None
+    if call is not None:
+        launch = Launch(compiled, call.spec, call.scale, _seeds(rng, dropout_p, q), deterministic, call)
+    else:
+        launch = _launch(compiled, q, k, v, captures, rng, scale, dropout_p, deterministic)
+        if sig is not None:
+            remember(compiled, sig, launch)
     return run_backward(launch, dout, dlse, q, k, v, out, lse, captures, tuple(learnable))
 
 
-@attention_backward_op.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, out, lse, captures, rng, variant, scale, dropout_p,
                              deterministic, learnable):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -238,13 +412,26 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, rng, *captures = ctx.saved_tensors
     grads = [None] * len(captures)
     learnable = [i for i, need in enumerate(ctx.needs_input_grad[3]) if need]
-    dq, dk, dv, dcaps = attention_backward_op(dout, dlse, q, k, v, out, lse, captures, rng, *ctx.call, learnable)
+    op = attention_backward_op if rng is None else attention_dropout_backward_op
+    dq, dk, dv, dcaps = op(dout, dlse, q, k, v, out, lse, captures, rng, *ctx.call, learnable)
     for i, g in zip(learnable, dcaps):
         grads[i] = g
     return dq, dk, dv, grads, None, None, None, None, None
 
 
-attention_op.register_autograd(_backward, setup_context=_setup_context)
+# Without dropout a call is device work only (no host read, no CPU tensor, no state a replay
+# would miss): CUDA graphs capture it. With dropout the seeds are read on the host
+# (``_seeds``) and the kernels take them as numbers, which a graph would replay unchanged: those
+# calls are the same code under ops that torch.compile keeps out of CUDA graphs.
+attention_op = _define("attention", _ATTENTION, _attention, _attention_fake)
+attention_backward_op = _define("attention_backward", _ATTENTION_BACKWARD, _attention_backward,
+                                _attention_backward_fake)
+attention_dropout_op = _define("attention_dropout", _ATTENTION, _attention, _attention_fake, graph_safe=False)
+attention_dropout_backward_op = _define("attention_dropout_backward", _ATTENTION_BACKWARD, _attention_backward,
+                                        _attention_backward_fake, graph_safe=False)
+for _name in ("attention", "attention_dropout"):
+    torch.library.register_autograd(f"attncc::{_name}", _backward, setup_context=_setup_context, lib=_LIB)
+del _name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,24 +448,67 @@ def draw_rng(generator=None) -> Tensor:
 
 
 def attend(compiled, query, key, value, captures, *, enable_gqa: bool, training: bool, generator=None):
-    """(out, lse) of ``compiled``'s variant; ``captures`` are the tensors its mods read."""
+    """(out, lse) of ``compiled``'s variant; ``captures`` are the tensors its mods read.
+
+    Eager, a call whose signature (``signature``) passed the checks before skips them and
+    takes the Spec and module decided then: one key and one lookup. Checks whose inputs a
+    signature does not hold run on every call: freed storage (check_inputs_stored)."""
     variant = compiled.variant
-    check_qkv(query, key, value, enable_gqa)
-    if any(t.device != query.device or t.layout != torch.strided for t in captures):
-        check_captures(variant.captures, query.device)  # names the tensor
-        raise AttnccError(f"captured tensors must be dense and on the inputs' device {query.device}")
     dropout = training and variant.dropout_p > 0
+    if torch.compiler.is_compiling():  # traced once per graph: the checks, then one op
+        check_call(variant, query, key, value, captures, enable_gqa)
+        if not dropout:
+            return torch.ops.attncc.attention.default(query, key, value, captures, None, variant.ir_key,
+                                                      variant.scale, 0.0, variant.deterministic)
+        return torch.ops.attncc.attention_dropout.default(query, key, value, captures, draw_rng(generator),
+                                                          variant.ir_key, variant.scale, variant.dropout_p,
+                                                          variant.deterministic)
+    # captures other than the variant's own: check_capture_indices reads the variant's, which a
+    # signature does not hold, so such calls are checked every time
+    sig = signature(query, key, value, captures, bool(enable_gqa), dropout, variant.scale,
+                    variant.deterministic) if own_captures(variant, captures) else None
+    call = compiled._calls.get(sig) if sig is not None else None
+    if call is None:
+        check_call(variant, query, key, value, captures, enable_gqa)
     rng = draw_rng(generator) if dropout else None
     dropout_p = variant.dropout_p if dropout else 0.0
-    if torch.compiler.is_compiling():
-        return torch.ops.attncc.attention.default(query, key, value, captures, rng, variant.ir_key, variant.scale,
-                                                  dropout_p, variant.deterministic)
     check_inputs_stored(variant, query, key, value, captures)
-    check_capture_indices(variant, query, key)
-    launch = _launch(compiled, query, key, value, captures, rng, variant.scale, dropout_p, variant.deterministic)
+    if call is None:
+        check_capture_indices(variant, query, key)
+        launch = _launch(compiled, query, key, value, captures, rng, variant.scale, dropout_p, variant.deterministic)
+        if sig is not None:
+            remember(compiled, sig, launch)
+    else:
+        launch = Launch(compiled, call.spec, call.scale, _seeds(rng, dropout_p, query), variant.deterministic, call)
     if needs_grad((query, key, value, *captures)):
-        return AttentionFunction.apply(query, key, value, launch, *captures)
+        return _apply(query, key, value, launch, captures)
     return run_forward(launch, query, key, value, captures)  # nothing to differentiate: no autograd node
+
+
+def check_call(variant, query, key, value, captures, enable_gqa) -> None:
+    """The checks of q, k, v (check_qkv) and of the captured tensors' devices and layouts."""
+    check_qkv(query, key, value, enable_gqa)
+    for t in captures:  # a loop, not any(<generator>): host time per call
+        if t.device != query.device or t.layout != torch.strided:
+            check_captures(variant.captures, query.device)  # names the tensor
+            raise AttnccError(f"captured tensors must be dense and on the inputs' device {query.device}")
+
+
+# AttentionFunction.apply is torch's Python wrapper around the C++ apply: it binds arguments and
+# passes every argument through functorch's dead-wrapper check, 7.1 -> 5.4 us per call on the
+# CPU-only box when called directly. _apply does the same unwrapping for the tensors itself.
+_c_apply = vars(torch._C._FunctionBase).get("apply")  # a classmethod of the C++ base
+_function_apply = _c_apply.__get__(None, AttentionFunction) if _c_apply is not None else None
+_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+
+
+def _apply(query, key, value, launch, captures):
+    """AttentionFunction.apply(query, key, value, launch, *captures), without its Python layer
+    where that is the same call (no functorch transform active: vmap, grad, ...)."""
+    if _function_apply is None or _unwrap_if_dead is None or torch._C._are_functorch_transforms_active():
+        return AttentionFunction.apply(query, key, value, launch, *captures)
+    unwrap = _unwrap_if_dead
+    return _function_apply(unwrap(query), unwrap(key), unwrap(value), launch, *[unwrap(t) for t in captures])
 
 
 _QKV = ("query", "key", "value")

@@ -6,7 +6,9 @@ tensors is checked here, before any kernel is generated or launched: the query/k
 shapes, dtypes and devices (``check_qkv``), the captured tensors' devices and layouts
 (``check_captures``) and whether the captured tensors are large enough for the indices the
 mods read them at (``check_capture_indices``); ``captures_in_range`` finds the tensors that every
-index stays inside, whose loads then compile without bounds masks.
+index stays inside, whose loads then compile without bounds masks. ``signature`` is everything
+these checks read, as one key: a call whose signature passed them before is not checked again
+(attncc.autograd), except for freed storage (``check_storage``), which no key holds.
 """
 from __future__ import annotations
 
@@ -169,6 +171,50 @@ def check_index_ranges(variant, leaves: dict, lengths: tuple | None = None) -> N
     if len(variant.index_checked) >= _MEMO_SIZE:
         variant.index_checked.clear()
     variant.index_checked.add(memo)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the checks read, as one key: attncc.autograd runs the checks once per signature
+
+def signature(q, k, v, captures, gqa, dropout: bool, scale, deterministic: bool):
+    """Everything the checks and decisions of a call read, as one hashable tuple, or None when
+    it cannot be formed (a non-tensor, a layout without strides: such a call takes the checks,
+    which name the problem). ``gqa`` says which checks the caller runs on a new signature:
+    enable_gqa in eager calls (all of them); ("op", own) in the forward op, which leaves q, k
+    and v to its caller and checks capture indices only on the variant's own tensors; "backward"
+    in the backward op, which checks nothing -- so the paths never share an entry.
+
+    What reads what: check_qkv the types, layouts, shapes, dtypes and devices of q, k, v and
+    enable_gqa; the capture checks their devices and layouts; check_capture_indices and
+    captures_in_range the lengths, the captures' shapes, ATTNCC_INDEX_CHECK and ATTNCC_TILES;
+    descriptor_modes and tiers.choose the strides, 16-byte alignment of the data pointers,
+    dtypes and head dims, ATTNCC_TMA, ATTNCC_WS and ATTNCC_TIER; with_fallback ATTNCC_AUTOTUNE.
+    The knobs are read through attncc.config, so a bad value still raises on every call.
+    A check that reads something new must add it here (attncc.autograd keeps decisions by this key).
+    Storage (freed in place) is not part of a signature: check_inputs_stored runs every call."""
+    tiles = config.tile_overrides()
+    knobs = (config.index_check(), config.tma(), config.ws(), config.tier(), config.autotune(),
+             tuple(tiles.items()) if tiles else ())
+    try:
+        key = (type(q), type(k), type(v), q.layout, k.layout, v.layout, q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+               q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, gqa, dropout, scale, deterministic, knobs)
+        for t in captures:  # a loop, not a generator: host time per call
+            key += (type(t), t.layout, t.dtype, t.device, t.shape)
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+        return None
+    return key
+
+
+def own_captures(variant, captures) -> bool:
+    """Whether ``captures`` are the variant's own tensors (check_capture_indices reads those)."""
+    caps = variant.captures
+    if len(caps) != len(captures):
+        return False
+    for c, t in zip(caps, captures):  # a loop, not all(<generator>): host time per call
+        if c.tensor is not t:
+            return False
+    return True
 
 
 WHOLE_TILE = 128  # the largest tile of the training kernels: their positions reach lengths rounded up to it

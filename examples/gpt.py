@@ -1,8 +1,9 @@
 """A small GPT trained for a few steps with attncc.nn.Attention (causal + ALiBi) and, from the
 same seed and weights, with torch SDPA given the same ALiBi bias as a dense mask. Both should
 learn the same: the losses agree step by step and decrease. On a GPU it also trains the attncc
-model under torch.compile(fullgraph=True) (one attncc op per layer, no graph break) and prints
-the time per step of each.
+model under torch.compile(fullgraph=True) (one attncc op per layer, no graph break) and under
+torch.compile(mode="reduce-overhead") (CUDA graphs replay the steps), and prints the time per
+step of each (benchmarks/gpt_step.py compares them with SDPA's in every mode).
 
     python examples/gpt.py             # CPU: a tiny config through the Triton interpreter
     python examples/gpt.py --compile   # also torch.compile on the CPU (slow: inductor + interpreter)
@@ -106,15 +107,18 @@ class GPT(nn.Module):
         return self.ln(x) @ self.embed.weight.T
 
 
-def train(name: str, model: nn.Module, data: torch.Tensor, cfg: Config, forward=None):
+def train(name: str, model: nn.Module, data: torch.Tensor, cfg: Config, forward=None, graphs: bool = False):
     """AdamW on next-token prediction over one fixed batch (the model memorises it); returns the
-    losses and the median seconds per step."""
+    losses and the median seconds per step. ``graphs``: forward is compiled with
+    mode="reduce-overhead", whose CUDA graphs are told where each step begins."""
     forward = model if forward is None else forward
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     inputs, targets = data[:, :-1], data[:, 1:]
     losses, times = [], []
     for step in range(cfg.steps):
         start = time.perf_counter()
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(DEVICE.type, dtype=DTYPE, enabled=GPU):
             logits = forward(inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), targets.reshape(-1))
@@ -148,6 +152,11 @@ def main():
         compiled.load_state_dict(initial)
         runs["attncc compiled"] = train("attncc compiled", compiled, data, cfg,
                                         forward=torch.compile(compiled, fullgraph=True, dynamic=False))
+    if GPU:
+        graphed = GPT(cfg, attncc_core).to(DEVICE)
+        graphed.load_state_dict(initial)
+        runs["attncc graphs"] = train("attncc graphs", graphed, data, cfg, graphs=True, forward=torch.compile(
+            graphed, mode="reduce-overhead", fullgraph=True, dynamic=False))
 
     failed = []
     tol = 0.05 if GPU else 1e-3  # bf16 autocast on the GPU: rounding differs between the two kernels
