@@ -248,8 +248,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if compiling:  # what attncc.autograd.attend does under torch.compile, without reading _variants
         check_qkv(query, key, value, True)
         rng = draw_rng() if rounded_p > 0 else None
-        out, lse = torch.ops.attncc.attention.default(query, key, value, captures, rng, variant_key, k.scale,
-                                                      rounded_p, False)
+        # dropout through its own op, which CUDA graphs leave out (each step draws a new mask)
+        op = torch.ops.attncc.attention.default if rng is None else torch.ops.attncc.attention_dropout.default
+        out, lse = op(query, key, value, captures, rng, variant_key, k.scale, rounded_p, False)
     elif bottom:
         out, lse = _bottom_right(_bind(compiled, captures), query, key, value)
     else:
