@@ -21,8 +21,6 @@ PATCHES = {
     "no-dq-add": [("    _tma_add(p.dq_desc, [b, h, m0, WG * HALF_D], dq_smem.reshape([1, 1, BLOCK_M, HALF_D]))\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
-    "dq-single": [("    dq_smem = p.dq_smem.index(j % 2 * 2 + WG)\n    tma.store_wait(pendings=1)\n",
-                   "    dq_smem = p.dq_smem.index(WG)\n    tma.store_wait(pendings=0)\n")],
     "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
                  ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = gl.program_id(0) // p.BH_KV * (2 * p.BLOCK_N)")],
 }
