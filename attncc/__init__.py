@@ -11,7 +11,8 @@ from .errors import AttnccError, ModTraceError  # noqa: E402
 from .flex import flex_attention  # noqa: E402
 from .variant import Variant  # noqa: E402
 from . import nn  # noqa: E402,F401  (attncc.nn.Attention)
+from . import distributed  # noqa: E402,F401  (attncc.distributed: context parallelism)
 
 __all__ = ["attention", "compile", "dropout_mask", "Variant", "CompiledAttention", "AttnccError", "ModTraceError",
            "ir", "reference", "__version__", "attention_with_kvcache", "attention_varlen",
-           "KVCache", "PagedKVCache", "merge_states", "nn", "flex_attention"]
+           "KVCache", "PagedKVCache", "merge_states", "nn", "flex_attention", "distributed"]

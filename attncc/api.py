@@ -119,6 +119,17 @@ class CompiledAttention:
                                    enable_gqa=enable_gqa, training=training, generator=generator)
         return (out, lse) if return_lse else out
 
+    def context_parallel(self, query, key, value, *, group=None, layout="zigzag", method="auto",
+                         enable_gqa=False, return_lse=False, training=True, generator=None):
+        """Context parallelism: query, key, value are this rank's shards of a sequence split over
+        ``group``'s ranks (attncc.distributed.shard with the same ``layout``); returns this rank's
+        rows of attention over the whole sequence, differentiable. method: "ring", "allgather" or
+        "auto" (a cost model, logged). Every rank of the group must call it. See attncc.distributed."""
+        from .distributed.attention import context_parallel
+        return context_parallel(self, query, key, value, group=group, layout=layout, method=method,
+                                enable_gqa=enable_gqa, return_lse=return_lse, training=training,
+                                generator=generator)
+
     def with_kvcache(self, query, cache, key=None, value=None, *, cu_seqlens_q=None, max_seqlen_q=None,
                      return_lse=False):
         """Inference against a KV cache (attncc.KVCache or attncc.PagedKVCache): append ``key`` and

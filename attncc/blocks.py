@@ -25,10 +25,11 @@ def _tensor_key(t: torch.Tensor):
     return (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
 
 
-def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device) -> torch.Tensor:
-    """int8 (X, ceil(Lq / FINE), ceil(Lkv / FINE)), X = B * H if per_head else 1; cached."""
+def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device, offsets=(0, 0)) -> torch.Tensor:
+    """int8 (X, ceil(Lq / FINE), ceil(Lkv / FINE)), X = B * H if per_head else 1; cached.
+    offsets: positions of the first query and key (a chunk of a longer sequence, attncc.distributed)."""
     key = (id(fwd_module), tuple(_tensor_key(c) for c in captures), B if per_head else 0,
-           H if per_head else 0, Lq, Lkv)
+           H if per_head else 0, Lq, Lkv, *offsets)
     hit = _cache.get(key)
     # the same tensors, not others at their addresses: a tensor made where a freed one lived has
     # its address and version counter (0) too, and another mask
@@ -38,7 +39,7 @@ def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device) ->
     X = B * H if per_head else 1
     table = torch.empty(X, -(-Lq // FINE), -(-Lkv // FINE), dtype=torch.int8, device=device)
     if table.numel():
-        fwd_module.classify(table, captures, H, Lq, Lkv, FINE)
+        fwd_module.classify(table, captures, H, Lq, Lkv, FINE, *offsets)
     _cache[key] = (table, [weakref.ref(c) for c in captures])
     _cache.move_to_end(key)
     while len(_cache) > _CACHE_SIZE:
@@ -75,10 +76,11 @@ _lists: dict = {}  # (id of a cached fine table, kernel, tiles) -> (that table, 
 _recent: dict = {}
 
 
-def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) -> dict:
+def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device, offsets=(0, 0)) -> dict:
     """Tile lists for every kernel of ``module`` (its TILES), from the cached fine table; the
-    lists are cached with the table, so a repeated call launches nothing here."""
-    key = (id(module), id(fwd_module), B if per_head else 0, H if per_head else 0, Lq, Lkv)
+    lists are cached with the table, so a repeated call launches nothing here. offsets: as in
+    fine_classes."""
+    key = (id(module), id(fwd_module), B if per_head else 0, H if per_head else 0, Lq, Lkv, *offsets)
     versions = [(c._version, c.data_ptr()) for c in captures]
     hit = _recent.get(key)
     if hit is not None and hit[1] == versions:
@@ -88,15 +90,15 @@ def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) ->
         else:
             return hit[2]
     with _lock:  # the tables' LRU order and the lists' eviction sweep are shared by threads
-        out = _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device)
+        out = _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device, offsets)
     if len(_recent) >= _CACHE_SIZE:
         _recent.clear()
     _recent[key] = ([weakref.ref(c) for c in captures], versions, out)
     return out
 
 
-def _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device) -> dict:
-    fine = fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head, device)
+def _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device, offsets=(0, 0)) -> dict:
+    fine = fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head, device, offsets)
     out = {}
     for fn, (o, i) in module.TILES.items():
         key = (id(fine), fn, o, i)

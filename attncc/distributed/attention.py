@@ -1,0 +1,245 @@
+"""context_parallel: attention of a compiled variant over a sequence sharded across ranks.
+
+Each rank passes its shards of q, k and v (attncc.distributed.shard) and gets its rows of the
+attention over the whole sequence: the mods see global positions. Before anything is sent,
+every rank's call is compared (all_gather_object of a small signature): a bad input on any rank
+is an AttnccError on every rank, naming the rank, never a hang. Then ``method`` runs
+(attncc.distributed.ring), inside one autograd.Function whose backward runs the same method.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from functools import lru_cache
+
+import torch
+
+from .. import autograd, checks, runtime
+from ..errors import AttnccError
+from ..log import logger
+from ..spec import Spec
+from . import ring
+from .comm import as_comm
+from .layout import make_layout
+
+METHODS = ("auto", "ring", "allgather")
+# the cost model's machine: link bandwidth (bytes/s) between ranks, attention throughput (FLOP/s)
+# and the fixed cost of one kernel call (s). NVLink-class GPUs; the interpreter and gloo are far
+# slower but in about the same proportion, except launches, which the interpreter makes costly.
+LINK_BYTES_S = {"nccl": 100e9, "gloo": 1e9, "threads": 1e12}
+FLOPS = {"gpu": 300e12, "interpreter": 2e8}
+CALL_S = {"gpu": 20e-6, "interpreter": 0.05}
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_chosen: set = set()  # decisions logged once each
+
+
+def context_parallel(compiled, query, key, value, *, group=None, layout="zigzag", method="auto",
+                     enable_gqa=False, return_lse=False, training=True, generator=None):
+    """This rank's rows of ``compiled``'s attention over the sharded sequence; see the module."""
+    how, grad = prepare(compiled, query, key, value, group=group, layout=layout, method=method,
+                        enable_gqa=enable_gqa, training=training, generator=generator)
+    captures = [c.tensor for c in compiled.variant.captures]
+    if grad:
+        out, lse = _ContextParallel.apply(query, key, value, how, *captures)
+    else:
+        out, lse = forward(how, query, key, value, captures)
+    return (out, lse) if return_lse else out
+
+
+def prepare(compiled, query, key, value, *, group, layout, method, enable_gqa, training, generator):
+    """((Setup, communicator, method), whether gradients are needed) of a call, after the
+    collective check; ``forward`` and ``backward`` take the first."""
+    comm = as_comm(group)
+    variant = compiled.variant
+    captures = [c.tensor for c in variant.captures]
+    dropout = training and variant.dropout_p > 0
+    rng = autograd.draw_rng(generator).tolist() if dropout else None  # advances each rank's generator alike
+    local_error, lay, sig = _local_check(compiled, comm, query, key, value, captures, layout, method, enable_gqa,
+                                         dropout)
+    tensors = (query, key, value, *captures)
+    grad = all(isinstance(t, torch.Tensor) for t in tensors) and autograd.needs_grad(tensors)
+    views = comm.gather_objects((local_error, sig, grad, rng))
+    errors = [f"rank {r}: {e}" for r, (e, *_) in enumerate(views) if e]
+    if errors:
+        raise AttnccError("context_parallel: " + "; ".join(errors))
+    for r, (_, other, other_grad, _) in enumerate(views):
+        if other != sig or other_grad != grad:
+            diff = [f"{name} {a!r} vs {b!r}" for (name, a), (_, b) in zip(sig + (("needs grad", grad),),
+                                                                            other + (("needs grad", other_grad),))
+                    if a != b]
+            raise AttnccError(f"context_parallel: rank {r} disagrees with rank {comm.rank}: {', '.join(diff)}; "
+                              "every rank must call with the same variant, layout, method and shard shapes")
+    rng = views[0][3]  # rank 0's draw: one dropout mask for the whole sequence
+    setup = _setup(compiled, comm, lay, query, key, value, captures, rng, variant.dropout_p if dropout else 0.0)
+    chosen, _ = choose_method(setup, comm, query, key, value, method)
+    return (setup, comm, chosen), grad
+
+
+def _local_check(compiled, comm, q, k, v, captures, layout, method, enable_gqa, dropout):
+    """(error message or None, Layout, signature): what this rank alone can tell."""
+    variant = compiled.variant
+    lay, error, shapes = None, None, ()
+    try:
+        if method not in METHODS:
+            raise AttnccError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+        lay = make_layout(layout, comm.world)
+        checks.check_qkv(q, k, v, enable_gqa)
+        checks.check_captures(variant.captures, q.device)
+        shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        n = lay.per_rank
+        for name, t in (("query", q), ("key", k)):
+            if t.shape[2] % n or t.shape[2] == 0:
+                raise AttnccError(f"the {name} shard's length {t.shape[2]} is not a positive multiple of the "
+                                  f"{n} chunks each rank holds in the {lay.name!r} layout; pad the sequence to a "
+                                  f"multiple of {lay.n_chunks}")
+        if dropout and (q.shape[2] // n % 16 or k.shape[2] // n % 32):
+            raise AttnccError(f"dropout keys its random numbers by tiles of 16 queries x 32 keys: chunks must "
+                              f"start on that grid, but the query chunks have {q.shape[2] // n} rows and the key "
+                              f"chunks {k.shape[2] // n}; make the whole length a multiple of {32 * lay.n_chunks}")
+    except AttnccError as e:
+        error = str(e)
+    key = hashlib.sha1(variant.ir_key.encode()).hexdigest()[:16]
+    sig = (("variant", key), ("scale", variant.scale), ("dropout_p", variant.dropout_p if dropout else 0.0),
+           ("layout", None if lay is None else lay.chunks), ("method", method), ("shapes", shapes),
+           ("dtype", str(getattr(q, "dtype", None))), ("captures", tuple(tuple(t.shape) for t in captures)))
+    return error, lay, sig
+
+
+def _setup(compiled, comm, lay, q, k, v, captures, rng, dropout_p) -> ring.Setup:
+    variant = compiled.variant
+    n = lay.per_rank
+    cq, ck = q.shape[2] // n, k.shape[2] // n
+    lq, lkv = cq * lay.n_chunks, ck * lay.n_chunks
+    B, Hq, _, D = q.shape
+    # the kernels' positions reach each chunk's offset plus its length rounded up to whole tiles
+    whole = lambda c: -(-c // checks.WHOLE_TILE) * checks.WHOLE_TILE  # noqa: E731
+    reach_q, reach_kv = max(lq, lq - cq + whole(cq)), max(lkv, lkv - ck + whole(ck))
+    meta = lambda length: torch.empty(B, Hq, length, D, device="meta")  # noqa: E731 - shapes only
+    checks.check_capture_indices(variant, meta(lq), meta(lkv))
+    in_range = checks.captures_in_range(variant, meta(reach_q), meta(reach_kv), captures)
+    target = runtime.target_for(q.device)
+    scale = variant.scale if variant.scale is not None else 1.0 / math.sqrt(D)
+    # the Triton tier: the Gluon forward, TMA and the warp-specialised loop take no position offsets
+    spec = Spec(_DTYPES[q.dtype], D, v.shape[-1], Hq // k.shape[1], target, rng is not None,
+                positive_scale=scale > 0, in_range=in_range, tier="triton")
+    seeds = (*rng, dropout_p) if rng is not None else ()
+    return ring.Setup(compiled, spec, scale, seeds, variant.deterministic, lay, comm.rank, cq, ck, lq, lkv,
+                      _empty_pairs(compiled, cq, ck, lay.n_chunks))
+
+
+@lru_cache(maxsize=256)
+def _bounds_fn(compiled_key, mask):
+    """(q_lo, q_hi) -> (first, last) key a query tile may reach, from the mask's derived bounds,
+    or None when they depend on b, h or tensors."""
+    import sympy as sp
+
+    from ..passes import bounds as bounds_pass
+    from ..passes import symbolic
+    lo, hi = sp.symbols("cp_lo cp_hi", integer=True)
+    reach = bounds_pass.derive(mask, symbolic.Q, symbolic.KV, lo, hi).reach
+    if (reach.first.free_symbols | reach.last.free_symbols) - {lo, hi}:
+        return None
+    return lambda a, b: (reach.first.subs({lo: a, hi: b}), reach.last.subs({lo: a, hi: b}))
+
+
+def _empty_pairs(compiled, cq, ck, n) -> frozenset:
+    """(query chunk, key chunk) pairs whose keys lie outside the mask's reach for the chunk's
+    queries: derived from the mask (attncc.passes.bounds), never assumed."""
+    facts = compiled.variant.analysis.facts
+    if facts.mask_trivial:
+        return frozenset()
+    reach = _bounds_fn(compiled.variant.ir_key, compiled.variant.analysis.mask)
+    if reach is None:
+        return frozenset()
+    empty = set()
+    for i in range(n):
+        first, last = reach(i * cq, (i + 1) * cq - 1)
+        for j in range(n):
+            if bool(last < j * ck) or bool(first > (j + 1) * ck - 1):
+                empty.add((i, j))
+    return frozenset(empty)
+
+
+def choose_method(setup: ring.Setup, comm, q, k, v, method="auto") -> tuple:
+    """(method, why). "auto" compares the time the ring leaves its transfers exposed (per step,
+    transfer minus the compute of that step's unmasked pairs) plus its extra kernel calls with
+    the all-gather's unhidden transfer of the same bytes (bytes moved against FLOPs)."""
+    if method != "auto":
+        return method, "asked for"
+    W, lay = comm.world, setup.layout
+    if W == 1:
+        return "allgather", "one rank: nothing to move"
+    kind = "interpreter" if setup.interpret else "gpu"
+    link, flops, call = LINK_BYTES_S.get(comm.backend, 10e9), FLOPS[kind], CALL_S[kind]
+    B, Hq, _, D = q.shape
+    shard_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+    pair_flops = 4 * B * Hq * setup.cq * setup.ck * (D + v.shape[-1]) / 2
+    comm_s = shard_bytes / link
+    exposed, calls = 0.0, 0
+    for step in range(W - 1):  # the last step waits for nothing
+        src = (setup.rank - step) % W
+        pairs = sum((i, j) not in setup.empty for i in setup.mine for j in lay.chunks[src])
+        exposed += max(0.0, comm_s - pairs * pair_flops / flops)
+        calls += pairs
+    ring_s = exposed + calls * call
+    gather_s = (W - 1) * comm_s
+    chosen = "ring" if ring_s < gather_s else "allgather"
+    why = (f"ring: {ring_s * 1e3:.3g} ms of transfer not hidden by compute + extra calls, all-gather: "
+           f"{gather_s * 1e3:.3g} ms of transfer up front ({shard_bytes / 2**20:.3g} MiB K/V per rank, "
+           f"{W} ranks, {comm.backend})")
+    key = (chosen, W, setup.lq, setup.lkv, lay.chunks, comm.backend)
+    if key not in _chosen:
+        _chosen.add(key)
+        logger.info("context_parallel(%s): %s (%s)", setup.compiled.variant.name, chosen, why)
+    return chosen, why
+
+
+def forward(how, q, k, v, caps):
+    """(out, lse) of this rank's query rows (float32 lse)."""
+    setup, comm, method = how
+    fwd = ring.ring_forward if method == "ring" else ring.allgather_forward
+    return fwd(setup, comm, q, k, v, runtime.interp_captures(caps) if setup.interpret else list(caps))
+
+
+def backward(how, q, k, v, out, lse, caps, dout, dlse, learnable):
+    """dq, dk, dv of this rank's shards and the gradients of captures[i], i in learnable, summed
+    over the ranks. Every rank must call it (the autograd Function does; so can code that runs
+    ranks as threads of one process on a GPU, where autograd's one worker thread per device
+    would run the ranks' backwards one inside the other)."""
+    setup, comm, method = how
+    bwd_spec = setup.compiled.bwd_spec(setup.spec, learnable, setup.deterministic)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is not None:
+        dlse = dlse.float()
+    run_caps = runtime.interp_captures(caps) if setup.interpret else caps
+    bwd = ring.ring_backward if method == "ring" else ring.allgather_backward
+    dq, dk, dv, dcaps = bwd(setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, run_caps, learnable)
+    grads = []
+    for i, g in zip(learnable, dcaps):
+        comm.all_reduce(g)  # the capture's gradient from every rank's rows (int64 when deterministic)
+        grads.append(runtime._float_grads([g])[0].to(caps[i].dtype))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
+
+
+class _ContextParallel(torch.autograd.Function):
+    """(out, lse) of the local query rows; backward gives this rank's dq, dk, dv and the capture
+    gradients summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, how, *caps):
+        out, lse = forward(how, q, k, v, caps)
+        ctx.how = how
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, *caps)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *caps = ctx.saved_tensors
+        learnable = tuple(i for i in range(len(caps)) if ctx.needs_input_grad[4 + i])
+        dq, dk, dv, dcaps = backward(ctx.how, q, k, v, out, lse, caps, dout, dlse, learnable)
+        grads = [None] * len(caps)
+        for i, g in zip(learnable, dcaps):
+            grads[i] = g
+        return (dq, dk, dv, None, *grads)

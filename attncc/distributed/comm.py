@@ -1,0 +1,161 @@
+"""The few collectives context parallelism uses, over torch.distributed or inside one process.
+
+    Comm(group)      torch.distributed (NCCL, gloo, ...): the ring is batch_isend_irecv
+    ThreadGroup(W)   W ranks as threads of one process, exchanging tensors through memory: the
+                     per-rank code runs on one device without a process group (tests, GPU checks).
+                     One rank runs at a time (a baton passed at each exchange), so the ranks'
+                     computations run one after another, as they would on W devices.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class _Done:
+    """A finished exchange."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return self.tensors
+
+
+class _Pending:
+    """A ring exchange in flight: wait() gives the received tensors."""
+
+    def __init__(self, reqs, received, keep):
+        self.reqs, self.received, self.keep = reqs, received, keep
+
+    def wait(self):
+        for r in self.reqs:
+            r.wait()
+        self.keep = None
+        return self.received
+
+
+class Comm:
+    """torch.distributed over ``group`` (None: the default group)."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            from ..errors import AttnccError
+            raise AttnccError("context parallelism needs torch.distributed initialised "
+                              "(torch.distributed.init_process_group, e.g. under torchrun), or an "
+                              "attncc.distributed.ThreadGroup rank")
+        self.dist, self.group = dist, group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else self.dist.get_global_rank(self.group, r)
+
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def ring_start(self, tensors):
+        """Send ``tensors`` to rank + 1 and receive their like from rank - 1, asynchronously."""
+        if self.world == 1:
+            return _Done(list(tensors))
+        dist = self.dist
+        send = [t.contiguous() for t in tensors]
+        recv = [torch.empty_like(t) for t in send]
+        nxt, prv = self._global((self.rank + 1) % self.world), self._global((self.rank - 1) % self.world)
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, prv, self.group) for t in recv]
+        return _Pending(dist.batch_isend_irecv(ops), recv, send)
+
+    def all_gather(self, t: torch.Tensor) -> list:
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        self.dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place."""
+        self.dist.all_reduce(t, group=self.group)
+        return t
+
+
+class ThreadGroup:
+    """``world`` ranks as threads of this process: ``group.rank(r)`` is rank r's communicator,
+    to pass as ``group=`` from the thread that runs rank r (``run(fn)`` starts them)."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._barrier = threading.Barrier(world)
+        self._slots = [None] * world
+        self._turn = threading.Lock()  # held by the rank that computes
+
+    def rank(self, r: int) -> "_ThreadComm":
+        return _ThreadComm(self, r)
+
+    def run(self, fn):
+        """[fn(comm of rank r) for each r], each in its own thread; the first exception is raised."""
+        results, errors = [None] * self.world, [None] * self.world
+
+        def body(r):
+            self._turn.acquire()
+            try:
+                results[r] = fn(self.rank(r))
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors[r] = e
+                self._barrier.abort()
+            finally:
+                self._turn.release()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+                     next((e for e in errors if e is not None), None))
+        if first is not None:
+            raise first
+        return results
+
+
+class _ThreadComm:
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.g, self.rank, self.world, self.backend = group, rank, group.world, "threads"
+
+    def _exchange(self, value) -> list:
+        g = self.g
+        g._turn.release()  # another rank computes while this one waits
+        try:
+            g._barrier.wait()  # everyone has read the previous exchange
+            g._slots[self.rank] = value
+            g._barrier.wait()
+            return list(g._slots)
+        finally:
+            g._turn.acquire()
+
+    def gather_objects(self, obj) -> list:
+        return self._exchange(obj)
+
+    def ring_start(self, tensors):
+        slots = self._exchange([t.clone() for t in tensors])
+        return _Done(slots[(self.rank - 1) % self.world])
+
+    def all_gather(self, t):
+        return [x.clone() for x in self._exchange(t.clone())]
+
+    def all_reduce(self, t):
+        parts = self._exchange(t.clone())
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return t.copy_(total)
+
+
+def as_comm(group):
+    """A communicator for ``group``: a ThreadGroup rank as is, else torch.distributed's."""
+    if isinstance(group, (Comm, _ThreadComm)):
+        return group
+    return Comm(group)

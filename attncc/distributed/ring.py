@@ -1,0 +1,237 @@
+"""The per-rank computation of context-parallel attention: kernel calls on (query chunk, key
+chunk) pairs at their global positions, and the two ways K/V reach every rank.
+
+    ring        K/V shards travel around the ranks (rank r sends to r + 1) while the shard at
+                hand computes; each query chunk merges its partial (out, lse) exactly
+                (merge, attncc.merge_states's rule). Pairs the mask empties are skipped. The backward sends
+                each shard's dK/dV accumulators along with it and recomputes P from the global lse.
+    allgather   K/V gathered once; each query chunk runs one call over all keys (the kernel's
+                tile bounds skip what the mask empties); dK/dV summed over the ranks at the end.
+
+Every call passes the chunk's first query and key positions (q_off, kv_off) and the whole key
+length to the generated kernels, so mods, tile bounds and dropout see global positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import autograd, blocks, runtime
+
+
+@dataclass
+class Setup:
+    """What one context-parallel call needs; the same on every rank but ``rank`` and ``mine``."""
+    compiled: object   # CompiledAttention
+    spec: object       # forward Spec (Triton tier, no TMA / warp specialisation)
+    scale: float
+    rng: tuple         # (seed, offset, dropout_p) or ()
+    deterministic: bool
+    layout: object     # Layout
+    rank: int
+    cq: int            # query chunk length
+    ck: int            # key chunk length
+    lq: int            # whole query length
+    lkv: int           # whole key length
+    empty: frozenset   # (query chunk, key chunk) pairs the mask empties (ring skips them)
+
+    @property
+    def interpret(self) -> bool:
+        return self.spec.target == "interpreter"
+
+    @property
+    def mine(self) -> tuple:
+        return self.layout.chunks[self.rank]
+
+
+def _work(s: Setup, *tensors):
+    """The interpreter computes bf16 on raw bits: it gets float32 copies (as attncc.runtime does)."""
+    if s.interpret:
+        return [t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors]
+    return list(tensors)
+
+
+def _blocks(s: Setup, module, caps, q, i, j, kv_len, kv_off):
+    if not module.BLOCK_SPARSE:
+        return None
+    fwd = module if hasattr(module, "classify") else s.compiled.module("fwd", s.spec)
+    return blocks.for_module(module, fwd, caps, q.shape[0], q.shape[1], q.shape[2], kv_len, fwd.CLASS_PER_HEAD,
+                             q.device, (i * s.cq, kv_off))
+
+
+def pair_is_empty(s: Setup, caps, q, i: int, j: int) -> bool:
+    """Whether the mask removes every (query of chunk i, key of chunk j): from the derived tile
+    bounds (Setup.empty) or, for a mask that reads captured tensors, from its tile classes."""
+    if (i, j) in s.empty:
+        return True
+    fwd = s.compiled.module("fwd", s.spec)
+    if not fwd.BLOCK_SPARSE:
+        return False
+    table = blocks.fine_classes(fwd, caps, q.shape[0], q.shape[1], s.cq, s.ck, fwd.CLASS_PER_HEAD, q.device,
+                                (i * s.cq, j * s.ck))
+    return not bool(table.any())
+
+
+def forward_pair(s: Setup, q, k, v, caps, i: int, kv_off: int):
+    """float32 (out, lse) of query chunk i (q) against keys k, v starting at position kv_off."""
+    B, H, L, _ = q.shape
+    out = torch.empty(B, H, L, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+
+    def run(module):
+        runtime.launch(module, q, k, v, out, lse, caps, s.scale, *s.rng,
+                       blocks=_blocks(s, module, caps, q, i, None, k.shape[2], kv_off),
+                       q_off=i * s.cq, kv_off=kv_off, n_kv_all=s.lkv)
+    autograd.with_fallback(s.compiled, "fwd", s.spec, run, q, k)
+    return out, lse
+
+
+def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps, i: int, kv_off: int):
+    """float32 (dq, dk, dv) of one pair; capture gradients are added into dcaps."""
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+
+    def run(module):
+        runtime.launch(module, q, k, v, out, lse, dout, dlse, dq, dk, dv, caps, dcaps, s.scale, *s.rng,
+                       blocks=_blocks(s, module, caps, q, i, None, k.shape[2], kv_off),
+                       q_off=i * s.cq, kv_off=kv_off, n_kv_all=s.lkv)
+    autograd.with_fallback(s.compiled, "bwd", bwd_spec, run, q, k)
+    return dq, dk, dv
+
+
+def merge(a, b):
+    """(out, lse) of the keys of two partials: float32 (B, H, L, Dv) and (B, H, L), lse -inf for
+    rows without keys. In torch, not attncc.merge_states's kernel: a few elementwise ops on the
+    chunk's rows, next to the chunk's O(L^2) attention (and interpreted kernels cost ~0.1 s each)."""
+    (o_a, l_a), (o_b, l_b) = a, b
+    lse = torch.logaddexp(l_a, l_b)
+    base = torch.where(torch.isneginf(lse), 0.0, lse)  # both empty: weights 0, not nan
+    w_a, w_b = torch.exp(l_a - base), torch.exp(l_b - base)
+    return o_a * w_a[..., None] + o_b * w_b[..., None], lse
+
+
+def _qchunks(s: Setup, t):
+    return [t[:, :, a * s.cq:(a + 1) * s.cq] for a in range(len(s.mine))]
+
+
+def _kvchunks(s: Setup, t):
+    return [t[:, :, a * s.ck:(a + 1) * s.ck] for a in range(s.layout.per_rank)]
+
+
+def _finish(s: Setup, parts, q, dv: int, dtype):
+    """(out, lse) of the local queries from each chunk's merged partials (None: no key at all)."""
+    B, H = q.shape[:2]
+    outs, lses = [], []
+    for p in parts:
+        if p is None:  # every key masked: out 0, lse -inf, as single-GPU attention
+            p = (q.new_zeros(B, H, s.cq, dv, dtype=torch.float32),
+                 q.new_full((B, H, s.cq), float("-inf"), dtype=torch.float32))
+        outs.append(p[0])
+        lses.append(p[1])
+    return torch.cat(outs, 2).to(dtype), torch.cat(lses, 2)
+
+
+def ring_forward(s: Setup, comm, q, k, v, caps):
+    dtype = q.dtype
+    q, k, v = _work(s, q, k, v)
+    qs = _qchunks(s, q)
+    parts = [None] * len(qs)
+    cur, src = [k, v], s.rank
+    for step in range(comm.world):
+        pending = comm.ring_start(cur) if step < comm.world - 1 else None  # the next shard, while this computes
+        ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
+        for a, (i, qc) in enumerate(zip(s.mine, qs)):
+            for b, j in enumerate(s.layout.chunks[src]):
+                if pair_is_empty(s, caps, qc, i, j):
+                    continue
+                o, lse = forward_pair(s, qc, ks[b], vs[b], caps, i, j * s.ck)
+                parts[a] = (o, lse) if parts[a] is None else merge(parts[a], (o, lse))
+        if pending is not None:
+            cur, src = pending.wait(), (src - 1) % comm.world
+    return _finish(s, parts, q, v.shape[-1], dtype)
+
+
+def gather_kv(s: Setup, comm, k, v):
+    """The whole K and V in sequence order from every rank's shard."""
+    whole = []
+    for t in (k, v):
+        chunks = [None] * s.layout.n_chunks
+        for r, part in enumerate(comm.all_gather(t)):
+            for c, piece in zip(s.layout.chunks[r], _kvchunks(s, part)):
+                chunks[c] = piece
+        whole.append(torch.cat(chunks, 2))
+    return whole
+
+
+def allgather_forward(s: Setup, comm, q, k, v, caps):
+    dtype = q.dtype
+    q, k, v = _work(s, q, k, v)
+    kw, vw = gather_kv(s, comm, k, v)
+    parts = [forward_pair(s, qc, kw, vw, caps, i, 0) for i, qc in zip(s.mine, _qchunks(s, q))]
+    return _finish(s, parts, q, v.shape[-1], dtype)
+
+
+def _grad_buffers(s: Setup, bwd_spec, caps, learnable, device):
+    acc = torch.int64 if bwd_spec.deterministic else torch.float32
+    return [torch.zeros(caps[i].shape, dtype=acc, device=device) for i in learnable]
+
+
+def _row_stats(s: Setup, lse, dlse):
+    """Per query chunk: its lse and dlse rows, contiguous (the kernels read them as rows)."""
+    lses = [c.contiguous() for c in _qchunks(s, lse)]
+    dlses = [None] * len(lses) if dlse is None else [c.contiguous() for c in _qchunks(s, dlse)]
+    return lses, dlses
+
+
+def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
+    """dq, dk, dv (float32) and the capture gradients of this rank's shards (summed over its pairs)."""
+    q, k, v, out, dout = _work(s, q, k, v, out, dout)
+    qs, outs, douts = _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout)
+    lses, dlses = _row_stats(s, lse, dlse)
+    dcaps = _grad_buffers(s, bwd_spec, caps, learnable, q.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dqs = _qchunks(s, dq)
+    cur = [k, v]
+    acc = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+           torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    src = s.rank
+    for step in range(comm.world):
+        pending = comm.ring_start(cur) if step < comm.world - 1 else None
+        ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
+        dks, dvs = _kvchunks(s, acc[0]), _kvchunks(s, acc[1])
+        for a, i in enumerate(s.mine):
+            for b, j in enumerate(s.layout.chunks[src]):
+                if pair_is_empty(s, caps, qs[a], i, j):
+                    continue
+                g = backward_pair(s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a], douts[a], dlses[a], caps,
+                                  dcaps, i, j * s.ck)
+                dqs[a] += g[0]
+                dks[b] += g[1]
+                dvs[b] += g[2]
+        moved = comm.ring_start(acc)  # the accumulators follow their shard; after W moves they are home
+        if pending is not None:
+            cur, src = pending.wait(), (src - 1) % comm.world
+        acc = moved.wait()
+    return dq, acc[0], acc[1], dcaps
+
+
+def allgather_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
+    q, k, v, out, dout = _work(s, q, k, v, out, dout)
+    kw, vw = gather_kv(s, comm, k, v)
+    lses, dlses = _row_stats(s, lse, dlse)
+    dcaps = _grad_buffers(s, bwd_spec, caps, learnable, q.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkw = torch.zeros(kw.shape, dtype=torch.float32, device=q.device)
+    dvw = torch.zeros(vw.shape, dtype=torch.float32, device=q.device)
+    for a, (i, qc, oc, doc, dqc) in enumerate(zip(s.mine, _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout),
+                                                  _qchunks(s, dq))):
+        g = backward_pair(s, bwd_spec, qc, kw, vw, oc, lses[a], doc, dlses[a], caps, dcaps, i, 0)
+        dqc += g[0]
+        dkw += g[1]
+        dvw += g[2]
+    comm.all_reduce(dkw)  # every rank's contribution to every key (a reduce-scatter would move less)
+    comm.all_reduce(dvw)
+    mine = lambda t: torch.cat([t[:, :, c * s.ck:(c + 1) * s.ck] for c in s.mine], 2)  # noqa: E731
+    return dq, mine(dkw), mine(dvw), dcaps

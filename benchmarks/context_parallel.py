@@ -1,0 +1,182 @@
+"""Context parallelism: tokens/s of attncc's context_parallel (ring and all-gather, zigzag
+layout) against one device running the whole sequence, and against torch's context_parallel
+with SDPA for the causal mask where it runs.
+
+    torchrun --nproc-per-node 8 benchmarks/context_parallel.py --seq 131072
+    torchrun --nproc-per-node 1 benchmarks/context_parallel.py --seq 16384     # one GPU: the overhead
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --seq 512 --heads 2 --dim 32  # CPU, gloo
+
+Every rank builds the same whole q, k, v (same seed) and takes its shard. Times are medians over
+--iters after --warmup calls, measured between barriers (the slowest rank counts). The one-device
+figure runs the whole sequence on rank 0 while the others wait (skipped with --no-single or when
+it does not fit). tokens/s = batch * whole sequence length / time; scaling = one device's time /
+the group's; efficiency = scaling / ranks; rel. err: ||out - one device's out|| / ||one device's||
+of the forward (auto method), a check that the run computes the right thing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:  # CPU tensors run in the Triton interpreter, chosen before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import attncc  # noqa: E402
+from attncc.distributed import shard, unshard  # noqa: E402
+
+
+def variants(L, device):
+    docs = torch.div(torch.arange(L, device=device), max(1, L // 7), rounding_mode="floor")  # 7-8 documents
+    return {
+        "causal": attncc.Variant(None, lambda b, h, q, kv: q >= kv),
+        "sliding_window": attncc.Variant(None, lambda b, h, q, kv: (q >= kv) & (q - kv < 4096)),
+        "document": attncc.Variant(None, lambda b, h, q, kv: (docs[q] == docs[kv]) & (q >= kv)),
+        "full": attncc.Variant(),
+    }
+
+
+def timed(fn, iters, warmup, device):
+    """Median seconds of fn() between barriers."""
+    out = []
+    for i in range(warmup + iters):
+        if GPU:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if GPU:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        if i >= warmup:
+            out.append(time.perf_counter() - start)
+    return statistics.median(out)
+
+
+def fwd_bwd(call, tensors, do):
+    def run():
+        out = call(*tensors)
+        torch.autograd.backward(out, do)
+    return run
+
+
+def torch_cp_causal(q, k, v, do, args, device):
+    """(fwd s, fwd+bwd s) of torch's context_parallel (SDPA, ring), or the reason it does not run."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        qf, kf, vf, dof = (t.clone() for t in (q, k, v, do))
+        with context_parallel(mesh, buffers=[qf, kf, vf, dof], buffer_seq_dims=[2, 2, 2, 2]):
+            qs, ks, vs = (t.detach().requires_grad_() for t in (qf, kf, vf))
+            sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+            f = timed(lambda: sdpa(qs, ks, vs), args.iters, args.warmup, device)
+            fb = timed(fwd_bwd(sdpa, (qs, ks, vs), dof), args.iters, args.warmup, device)
+        return f, fb
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq", type=int, default=32768 if GPU else 512, help="whole sequence length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16 if GPU else 2)
+    p.add_argument("--kv-heads", type=int, default=0, help="K/V heads (GQA); 0: --heads")
+    p.add_argument("--dim", type=int, default=128 if GPU else 32)
+    p.add_argument("--variants", default="causal,document,sliding_window")
+    p.add_argument("--methods", default="ring,allgather,auto")
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--iters", type=int, default=10 if GPU else 1)
+    p.add_argument("--warmup", type=int, default=3 if GPU else 1)
+    p.add_argument("--no-single", action="store_true", help="skip the one-device run of the whole sequence")
+    p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    args = p.parse_args()
+
+    dist.init_process_group("nccl" if GPU else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if GPU else torch.device("cpu")
+    if GPU:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    B, H, Hkv, D, L = args.batch, args.heads, args.kv_heads or args.heads, args.dim, args.seq
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, H, L, D, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(B, Hkv, L, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+    do = torch.randn(B, H, L, D, device=device, dtype=dtype, generator=g)
+    qs, ks, vs, dos = (shard(t, None, layout=args.layout) for t in (q, k, v, do))
+    qs, ks, vs = (t.requires_grad_() for t in (qs, ks, vs))
+    tokens = B * L
+    rows = []
+    for name, variant in variants(L, device).items():
+        if name not in args.variants.split(","):
+            continue
+        kernel = attncc.compile(variant)
+        single = None
+        if not args.no_single:
+            try:
+                qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                call = lambda a, b, c: kernel(a, b, c, enable_gqa=H != Hkv)  # noqa: E731
+                idle = lambda: None  # noqa: E731 - the other ranks wait at the barriers
+                single = (timed((lambda: call(qf, kf, vf)) if rank == 0 else idle, args.iters, args.warmup, device),
+                          timed(fwd_bwd(call, (qf, kf, vf), do) if rank == 0 else idle, args.iters, args.warmup,
+                                device))
+                del qf, kf, vf
+            except torch.OutOfMemoryError:
+                single = None
+        with torch.no_grad():  # the result, checked against one device's on rank 0
+            want = kernel(q, k, v, enable_gqa=H != Hkv) if rank == 0 else None
+            got = unshard(kernel.context_parallel(qs, ks, vs, layout=args.layout, enable_gqa=H != Hkv), None,
+                          layout=args.layout)
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item() if rank == 0 else 0.0
+            del want, got
+        for method in args.methods.split(","):
+            call = lambda a, b, c: kernel.context_parallel(a, b, c, layout=args.layout, method=method,  # noqa: E731
+                                                           enable_gqa=H != Hkv)
+            f = timed(lambda: call(qs.detach(), ks.detach(), vs.detach()), args.iters, args.warmup, device)
+            fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device)
+            rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single, err=err))
+        if name == "causal" and not args.no_torch_cp:
+            res = torch_cp_causal(q, k, v, do, args, device)
+            rows.append(dict(variant=name, system="torch context_parallel (SDPA)",
+                             fwd_s=res[0] if isinstance(res, tuple) else None,
+                             fwd_bwd_s=res[1] if isinstance(res, tuple) else None, single=single,
+                             note=None if isinstance(res, tuple) else res))
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    # the single-device times live on rank 0 only: broadcast was not needed, rows hold them there
+    print(f"{world} ranks ({'NCCL' if GPU else 'gloo'}), B={B} H={H} Hkv={Hkv} D={D} L={L} {str(dtype)[6:]}, "
+          f"layout {args.layout}")
+    print(f"{'variant':16s} {'system':32s} {'fwd ms':>9s} {'fwd tok/s':>12s} {'f+b ms':>9s} {'f+b tok/s':>12s} "
+          f"{'scaling f+b':>12s} {'eff.':>6s} {'rel. err':>9s}")
+    for r in rows:
+        if r["fwd_s"] is None:
+            print(f"{r['variant']:16s} {r['system']:32s} {r.get('note')}")
+            continue
+        scale = r["single"][1] / r["fwd_bwd_s"] if r["single"] else None
+        print(f"{r['variant']:16s} {r['system']:32s} {r['fwd_s'] * 1e3:9.2f} {tokens / r['fwd_s']:12,.0f} "
+              f"{r['fwd_bwd_s'] * 1e3:9.2f} {tokens / r['fwd_bwd_s']:12,.0f} "
+              f"{(f'{scale:.2f}x' if scale else '-'):>12s} {(f'{scale / world:.0%}' if scale else '-'):>6s} "
+              f"{(format(r['err'], '.1e') if 'err' in r else '-'):>9s}")
+    singles = {r["variant"]: r["single"] for r in rows if r["single"]}
+    for name, (f, fb) in singles.items():
+        print(f"{name:16s} {'one device, whole sequence':32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} "
+              f"{tokens / fb:12,.0f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(world=world, B=B, H=H, Hkv=Hkv, D=D, L=L, layout=args.layout, rows=rows), fh, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

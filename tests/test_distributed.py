@@ -1,0 +1,306 @@
+"""Context parallelism (attncc.distributed) on CPU: 2 and 4 gloo ranks spawned by the tests.
+
+Each case shards q, k, v (and the output gradient) over the ranks, runs
+kernel.context_parallel with each layout and method, gathers out, lse and every gradient, and
+rank 0 compares them with single-process attncc on the unsharded tensors (same kernels, same
+dropout seed): they must agree to float32 rounding of the merges. Bad inputs must raise the same
+AttnccError on every rank.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+import attncc
+from attncc import AttnccError
+from attncc.distributed import ThreadGroup, balanced_layout, shard, unshard
+
+B, D = 1, 16
+
+
+def _case(name, L, H=2, device="cpu"):
+    """(Variant, H, Hkv, learnable captures): the variants of the issue, built identically on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    Hkv, learn = H, []
+    if name == "causal":
+        v = attncc.Variant(None, lambda b, h, q, kv: q >= kv)
+    elif name == "sliding_window":
+        v = attncc.Variant(None, lambda b, h, q, kv: (q >= kv) & (q - kv < 40))
+    elif name == "document":
+        doc = torch.sort(torch.randint(0, 5, (L,), generator=g)).values.to(device)
+        v = attncc.Variant(None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv))
+    elif name == "prefix_lm":
+        v = attncc.Variant(None, lambda b, h, q, kv: (kv < 40) | (q >= kv))
+    elif name == "alibi":
+        slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)], device=device)
+        v = attncc.Variant(lambda s, b, h, q, kv: s + slopes[h] * (kv - q), lambda b, h, q, kv: q >= kv)
+    elif name == "softcap":
+        v = attncc.Variant(lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0))
+    elif name == "rel_bias":
+        table = (0.1 * torch.randn(H, 2 * L - 1, generator=g)).to(device).requires_grad_()
+        learn = [table]
+        v = attncc.Variant(lambda s, b, h, q, kv: s + table[h, q - kv + L - 1], lambda b, h, q, kv: q >= kv)
+    elif name == "gqa":
+        H, Hkv = 2 * H, H
+        v = attncc.Variant(None, lambda b, h, q, kv: q >= kv)
+    elif name == "dropout":
+        v = attncc.Variant(None, lambda b, h, q, kv: q >= kv, dropout_p=0.25)
+    elif name == "band":  # empties every chunk pair off the diagonal, on both sides
+        v = attncc.Variant(None, lambda b, h, q, kv: (q - kv <= 6) & (kv - q <= 6))
+    else:
+        raise KeyError(name)
+    return v, H, Hkv, learn
+
+
+def _inputs(H, Hkv, L, batch=B, dim=D, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, H, L, dim, generator=g)
+    k, v = (torch.randn(batch, Hkv, L, dim, generator=g) for _ in range(2))
+    do = torch.randn(batch, H, L, dim, generator=g)
+    dl = torch.randn(batch, H, L, generator=g)
+    return [t.to(device, dtype if t is not dl else torch.float32) for t in (q, k, v, do, dl)]
+
+
+def _single(kernel, q, k, v, do, dl, learn, gqa):
+    """Single-process attncc on the whole sequence: out, lse, dq, dk, dv, d(learnable)."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(99)  # the dropout draw
+    out, lse = kernel(q, k, v, enable_gqa=gqa, return_lse=True)
+    grads = torch.autograd.grad((out * do).sum() + (lse * dl).sum(), (q, k, v, *learn))
+    return (out.detach(), lse.detach(), *grads)
+
+
+def _sharded(kernel, comm, q, k, v, do, dl, learn, gqa, layout, method):
+    """The same through context_parallel on this rank's shards, unsharded again."""
+    qs, ks, vs, dos, dls = (shard(t, comm, layout=layout).requires_grad_(t is not do and t is not dl)
+                            for t in (q, k, v, do, dl))
+    torch.manual_seed(99)
+    out, lse = kernel.context_parallel(qs, ks, vs, group=comm, layout=layout, method=method, enable_gqa=gqa,
+                                       return_lse=True)
+    grads = torch.autograd.grad((out * dos).sum() + (lse * dls).sum(), (qs, ks, vs, *learn))
+    whole = [unshard(t.detach().contiguous(), comm, layout=layout) for t in (out, lse, *grads[:3])]
+    return (*whole, *grads[3:])  # capture gradients are summed over the ranks already
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dcapture")
+
+
+def _compare(got, want, what):
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"{what}: {name}: {m}")
+
+
+def _run_cases(comm, cases, runs, L):
+    """Each case under each (layout, method) of runs, the whole sequence L long."""
+    for name in cases:
+        variant, H, Hkv, learn = _case(name, L)
+        kernel = attncc.compile(variant)
+        q, k, v, do, dl = _inputs(H, Hkv, L)
+        want = _single(kernel, q, k, v, do, dl, learn, H != Hkv) if comm.rank == 0 else None
+        for layout, method in runs:
+            lay = balanced_layout(kernel, L, comm.world) if layout == "balanced" else layout
+            got = _sharded(kernel, comm, q, k, v, do, dl, learn, H != Hkv, lay, method)
+            if comm.rank == 0:
+                _compare(got, want, f"{name}, {layout}, {method}, {comm.world} ranks")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, job, args):
+    import torch.distributed as dist
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from attncc.distributed.comm import Comm
+        job(Comm(), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, job, *args):
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(world, _free_port(), job, args), nprocs=world, join=True)
+
+
+MASKS = ("causal", "sliding_window", "document", "prefix_lm", "alibi")
+MODS = ("softcap", "rel_bias", "gqa", "band")
+ALL_RUNS = tuple((layout, method) for layout in ("contiguous", "zigzag") for method in ("ring", "allgather"))
+RING = (("contiguous", "ring"), ("zigzag", "ring"))
+
+
+# Lengths: 16 query rows per chunk on two ranks (their 4 zigzag chunks: 64), 8 on four; dropout
+# needs chunks of 32 (its tile grid). Kept small: each kernel launch costs ~0.1 s interpreted.
+@pytest.mark.parametrize("cases", [MASKS, MODS], ids=["masks", "mods"])
+def test_two_ranks_every_variant_layout_and_method(cases):
+    _spawn(2, _run_cases, cases, ALL_RUNS, 64)
+
+
+def test_two_ranks_dropout_draws_the_single_process_mask():
+    _spawn(2, _run_cases, ("dropout",), ALL_RUNS, 128)
+
+
+def test_four_ranks():
+    """Three ring hops (the dK/dV accumulators travel all the way home), learnable captures summed
+    over four ranks, tile classes of a data-dependent mask at offsets, dropout."""
+    _spawn(4, _four_ranks_job)
+
+
+def _four_ranks_job(comm):
+    _run_cases(comm, ("causal",), ALL_RUNS, 64)
+    _run_cases(comm, ("document", "rel_bias", "band"), RING, 64)
+    _run_cases(comm, ("dropout",), (("contiguous", "ring"),), 128)
+
+
+def test_balanced_layout_document_mask():
+    _spawn(2, _run_cases, ("document",), (("balanced", "ring"), ("balanced", "allgather")), 64)
+
+
+def _expect_error(fn, *needles):
+    try:
+        fn()
+    except AttnccError as e:
+        for n in needles:
+            assert n in str(e), f"{n!r} not in {e}"
+        return
+    raise AssertionError(f"no AttnccError (expected one naming {needles})")
+
+
+def _bad_inputs(comm):
+    """Every rank must raise, whichever rank is wrong; afterwards the group still works."""
+    r = comm.rank
+    causal = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: q >= kv))
+    x = lambda L, H=2, d=D: torch.randn(1, H, L, d)  # noqa: E731
+    # shard shapes differ between the ranks
+    L = 64 if r == 0 else 32
+    _expect_error(lambda: causal.context_parallel(x(L), x(L), x(L), group=comm), "disagrees", "shapes")
+    # a length that the layout cannot split (zigzag: two chunks per rank), on every rank
+    _expect_error(lambda: causal.context_parallel(x(33), x(33), x(33), group=comm, layout="zigzag"),
+                  "rank 0:", "multiple")
+    # a bad input on one rank only: the others name it too
+    kk = x(32, d=8) if r == 1 else x(32)
+    _expect_error(lambda: causal.context_parallel(x(32), kk, x(32), group=comm), "rank 1:", "head dims differ")
+    # ranks disagree on the variant
+    other = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: q > kv))
+    _expect_error(lambda: (other if r == 1 else causal).context_parallel(x(32), x(32), x(32), group=comm),
+                  "disagrees", "variant")
+    # dropout: chunks must start on its 16 x 32 tile grid
+    drop = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: q >= kv, dropout_p=0.5))
+    _expect_error(lambda: drop.context_parallel(x(48), x(48), x(48), group=comm, layout="contiguous"),
+                  "16 queries x 32 keys")
+    # a captured tensor sized for one shard, not for the whole sequence (global positions)
+    doc = torch.zeros(64, dtype=torch.int64)
+    docs = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: doc[q] == doc[kv]))
+    _expect_error(lambda: docs.context_parallel(x(64), x(64), x(64), group=comm, layout="contiguous"),
+                  "too small")
+    _expect_error(lambda: causal.context_parallel(x(32), x(32), x(32), group=comm, method="tree"), "unknown method")
+    out = causal.context_parallel(x(32), x(32), x(32), group=comm, layout="contiguous", method="ring")
+    assert out.shape == (1, 2, 32, D) and torch.isfinite(out).all()
+
+
+def test_bad_inputs_raise_on_every_rank():
+    _spawn(2, _bad_inputs)
+
+
+def test_bad_inputs_in_process_group():
+    ThreadGroup(3).run(_bad_inputs)
+
+
+def test_empty_chunk_pairs_are_derived_from_the_mask():
+    """Which (query chunk, key chunk) pairs the ring skips comes from the mask's tile bounds."""
+    from attncc.distributed.attention import _empty_pairs
+    n, c = 4, 32
+    band = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: (q - kv <= 6) & (kv - q <= 6)))
+    assert _empty_pairs(band, c, c, n) == {(i, j) for i in range(n) for j in range(n) if abs(i - j) > 1}
+    causal = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: q >= kv))
+    assert _empty_pairs(causal, c, c, n) == {(i, j) for i in range(n) for j in range(n) if j > i}
+    anti = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: kv >= q + 40))
+    assert _empty_pairs(anti, c, c, n) == {(i, j) for i in range(n) for j in range(n) if j <= i}
+    assert _empty_pairs(attncc.compile(attncc.Variant()), c, c, n) == frozenset()
+
+
+def test_ring_skips_pairs_of_a_data_dependent_mask(monkeypatch):
+    """Documents: pairs of chunks of different documents run no kernel; results stay exact."""
+    from attncc.distributed import ring
+    L, calls = 128, []
+    doc = torch.arange(L) // 32  # one document per contiguous chunk of 2 ranks x 2 chunks
+    kernel = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: doc[q] == doc[kv]))
+    q, k, v, do, dl = _inputs(2, 2, L)
+    want = _single(kernel, q, k, v, do, dl, [], False)
+    real = ring.forward_pair
+    monkeypatch.setattr(ring, "forward_pair", lambda s, *a: calls.append(a[-2:]) or real(s, *a))
+    got = ThreadGroup(2).run(lambda comm: _sharded(kernel, comm, q, k, v, do, dl, [], False, "zigzag", "ring"))
+    _compare(got[0], want, "documents")
+    assert sorted(calls) == [(i, i * 32) for i in range(4)]  # only the diagonal pairs ran
+
+
+def test_shard_unshard_round_trip_and_balanced_layout():
+    x = torch.arange(2 * 96).view(1, 2, 96, 1).float()
+    for layout in ("contiguous", "zigzag"):
+        parts = ThreadGroup(3).run(lambda comm: unshard(shard(x, comm, layout=layout), comm, layout=layout))
+        assert all(torch.equal(p, x) for p in parts)
+    z = ThreadGroup(2).run(lambda comm: shard(x, comm, layout="zigzag"))
+    assert torch.equal(z[0], torch.cat([x[:, :, :24], x[:, :, 72:]], 2))
+    # documents of very different lengths: each rank's unmasked work comes out within 25% of the other's
+    doc = torch.cat([torch.zeros(192), torch.ones(32), torch.full((32,), 2)]).long()
+    kernel = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)))
+    lay = balanced_layout(kernel, 256, 2, chunks_per_rank=4)
+    qi = torch.arange(256)
+    keep = (doc[qi][:, None] == doc[qi][None, :]) & (qi[:, None] >= qi[None, :])
+    work = [sum(int(keep[c * 32:(c + 1) * 32].sum()) for c in chunks) for chunks in lay.chunks]
+    assert max(work) <= 1.25 * min(work), (lay, work)
+
+
+def test_in_process_lq_ne_lkv_deterministic_and_no_grad():
+    """Queries and keys of different lengths (each cut into the layout's chunks), a deterministic
+    variant with a learnable table (int64 fixed-point gradients summed over the ranks), and a
+    call without gradients (no autograd node)."""
+    Lq, Lkv, H = 64, 128, 2
+    g = torch.Generator().manual_seed(3)
+    table = (0.1 * torch.randn(H, Lq + Lkv, generator=g)).requires_grad_()
+    kernel = attncc.compile(attncc.Variant(lambda s, b, h, q, kv: s + table[h, q - kv + Lkv],
+                                           lambda b, h, q, kv: kv <= 2 * q, deterministic=True))
+    q = torch.randn(1, H, Lq, D, generator=g)
+    k, v = (torch.randn(1, H, Lkv, D, generator=g) for _ in range(2))
+    do = torch.randn(1, H, Lq, D, generator=g)
+    dl = torch.randn(1, H, Lq, generator=g)
+    want_out, want_lse = kernel(q, k, v, return_lse=True)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o, l = kernel(qg, kg, vg, return_lse=True)
+    want = (want_out, want_lse, *torch.autograd.grad((o * do).sum() + (l * dl).sum(), (qg, kg, vg, table)))
+
+    def rank(comm):
+        qs, ks, vs = (shard(t, comm, layout="zigzag").requires_grad_() for t in (q, k, v))
+        dos, dls = (shard(t, comm, layout="zigzag") for t in (do, dl))
+        with torch.no_grad():
+            plain = kernel.context_parallel(qs, ks, vs, group=comm, method="ring")
+        assert plain.grad_fn is None
+        out, lse = kernel.context_parallel(qs, ks, vs, group=comm, method="ring", return_lse=True)
+        grads = torch.autograd.grad((out * dos).sum() + (lse * dls).sum(), (qs, ks, vs, table))
+        return (*(unshard(t.detach(), comm, layout="zigzag") for t in (out, lse, *grads[:3])), grads[3],
+                unshard(plain, comm, layout="zigzag"))
+
+    got = ThreadGroup(2).run(rank)
+    _compare(got[0], want, "Lq != Lkv, deterministic")
+    torch.testing.assert_close(got[0][-1], want_out, rtol=2e-4, atol=2e-5)
+    assert torch.equal(got[0][5], got[1][5])  # the same capture gradient on every rank
+
+
+def test_auto_method_says_which_and_why(caplog):
+    import logging
+    from attncc.distributed.attention import choose_method
+    kernel = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: q >= kv))
+    q, k, v = (torch.randn(1, 2, 64, D) for _ in range(3))
+    caplog.set_level(logging.INFO, logger="attncc")
+    ThreadGroup(2).run(lambda comm: kernel.context_parallel(shard(q, comm), shard(k, comm), shard(v, comm),
+                                                           group=comm, method="auto"))
+    assert any("context_parallel" in r.getMessage() and ("ring" in r.getMessage() or "allgather" in r.getMessage())
+               for r in caplog.records), caplog.text
+    assert callable(choose_method)

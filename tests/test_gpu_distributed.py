@@ -1,0 +1,71 @@
+"""Context parallelism's kernels on one GPU: the ranks of a group run one after another in one
+process (attncc.distributed.ThreadGroup, no torch.distributed), so the compiled kernels' global
+offset paths (mods, tile bounds, tile classes, dropout at Q_OFF / KV_OFF) are checked on the
+device in bf16 and fp16: out, lse and every gradient against single-GPU attncc on the whole
+sequence.
+
+    python -m pytest -m gpu -q tests/test_gpu_distributed.py
+    python -m pytest -m gpu -q tests/test_gpu_distributed.py -k "causal-bf16"   # one variant, ~2 min
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attncc
+from attncc.distributed import ThreadGroup, attention, shard, unshard
+from test_distributed import NAMES, _case, _inputs, _single
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# relative error (norm of the difference / norm of single-GPU attncc's) per dtype: the ranks merge
+# partial outputs in float32 and round once, single-GPU attncc rounds once too
+TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+# every variant in bf16, the ones with their own code paths (tile classes, capture gradients,
+# dropout) in fp16 too: compiling the kernels dominates the run time (each (variant, dtype) pair
+# compiles single-GPU and context-parallel forward and backward kernels), not the runs
+CASES = [(name, "bf16") for name in ("causal", "sliding_window", "document", "prefix_lm", "alibi", "softcap",
+                                     "rel_bias", "gqa", "dropout", "band")]
+CASES += [(name, "fp16") for name in ("causal", "document", "rel_bias", "dropout")]
+
+
+def _rank(kernel, comm, q, k, v, do, dl, learn, gqa, layout, method):
+    """One rank's forward and backward, as kernel.context_parallel and its autograd node run them,
+    but calling the backward directly: autograd runs every CUDA backward on one worker thread per
+    device, where the ranks' ring backwards would wait for each other."""
+    qs, ks, vs, dos, dls = (shard(t, comm, layout=layout) for t in (q, k, v, do, dl))
+    torch.manual_seed(99)
+    how, _ = attention.prepare(kernel, qs, ks, vs, group=comm, layout=layout, method=method, enable_gqa=gqa,
+                               training=True, generator=None)
+    caps = [c.tensor.detach() for c in kernel.variant.captures]
+    out, lse = attention.forward(how, qs, ks, vs, caps)
+    learnable = tuple(i for i, c in enumerate(kernel.variant.captures) if any(c.tensor is t for t in learn))
+    dq, dk, dv, dcaps = attention.backward(how, qs, ks, vs, out, lse, caps, dos, dls, learnable)
+    return (*(unshard(t.contiguous(), comm, layout=layout) for t in (out, lse, dq, dk, dv)), *dcaps)
+
+
+RUNS = [(w, layout, method) for w in (2, 4) for layout in ("contiguous", "zigzag") for method in ("ring", "allgather")]
+
+
+@pytest.mark.parametrize("world,layout,method", RUNS, ids=[f"{w}x{lay}-{m}" for w, lay, m in RUNS])
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_ranks_one_after_another_equal_single_gpu(name, dtype, world, layout, method):
+    dtype = DTYPES[dtype]
+    L = 1024  # 4 ranks, zigzag: 8 chunks of 128 rows
+    variant, H, Hkv, learn = _case(name, L, H=4, device="cuda")
+    kernel = attncc.compile(variant)
+    q, k, v, do, dl = _inputs(H, Hkv, L, batch=2, dim=128, dtype=dtype, device="cuda")
+    want = _single(kernel, q, k, v, do, dl, learn, H != Hkv)
+    got = ThreadGroup(world).run(lambda comm: _rank(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout,
+                                                    method))[0]
+    for what, a, b in zip(NAMES, got, want):
+        a, b = a.float(), b.float()
+        if what == "lse":
+            finite = torch.isfinite(b)
+            assert torch.equal(finite, torch.isfinite(a)), f"{what}: -inf rows differ"
+            assert (a[finite] - b[finite]).abs().max() < 2e-3, f"{what}: {(a - b)[finite].abs().max()}"
+            continue
+        err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+        tol = TOL[dtype] * (2 if what != "out" else 1)  # gradients sum W partials in float32 first
+        assert err < tol, f"{name} {layout} {method} W={world} {dtype}: {what} relative error {err:.2e} >= {tol}"
