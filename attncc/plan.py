@@ -280,7 +280,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
             outputs.append(("dscore", printer.float_positions(derived.dscore)))
         outputs += [(f"dcap{j}", printer.float_positions(g.derivative)) for j, g in enumerate(derived.loads)]
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
-        # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by atomics)
+        # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by TMA reduce-add)
         fns = {"attn_bwd_dkdv": {Q}} if gluon else {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
     mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang) for fn, loop in fns.items() if loop}
     tp = printer.TritonPrinter(cap_info, interp, lang)

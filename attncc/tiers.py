@@ -113,8 +113,8 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
 
 def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool) -> tuple[str, str]:
     """(tier, why) of the backward of a call whose forward ran under ``fwd_spec``: the Gluon
-    kernel (one program per K/V tile, dQ added with float32 atomics) where it fits, else the
-    Triton tier's kernels."""
+    kernel (one program per K/V tile, dQ added by float32 TMA reduce-adds) where it fits, else
+    the Triton tier's kernels."""
     want = config.tier()
     if want == "triton":
         return "triton", "ATTNCC_TIER=triton"
@@ -125,7 +125,7 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool) ->
     if why_not is None and learnable:
         why_not = "learnable captured tensors: their gradients are the Triton tier's"
     if why_not is None and deterministic:
-        why_not = "deterministic: the Gluon backward adds dQ with atomics, the Triton tier's does not"
+        why_not = "deterministic: the Gluon backward adds dQ in any order (TMA reduce-add), the Triton tier's does not"
     if why_not is None and fwd_spec.group > 1 and "h" in variant.analysis.facts.mask_reads:
         why_not = "GQA with a mask that reads h: the Gluon backward bounds a K/V head's query heads together"
     if why_not:
