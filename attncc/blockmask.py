@@ -10,8 +10,12 @@ it leaves out are never attended. ``class_table`` turns that into an int8 table 
                         chunk of query blocks at a time, once per BlockMask); attncc then skips
                         tiles by its own derived bounds (create_block_mask's outputs land here)
     the table's mask    otherwise (and for masks that read tensors): (cls == 2) | (cls == 1 &
-                        mask_mod), a captured tensor of the variant; attncc's block classification
-                        rebuilds its tile lists from it (``table_mask``)
+                        mask_mod), a captured tensor of the variant (``table_mask``). When the
+                        BlockMask's block sizes are multiples of attncc's finest tile (32), the
+                        kernels' tile classes are read off the table itself (``fine_table``: a
+                        full block's tiles are full, a left-out block's empty, a partial block's
+                        partial) and the mask is never evaluated for them; otherwise attncc's
+                        classification kernel rebuilds them from the table's mask
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from .modkeys import LRU, lock
 
 LARGE_BLOCK = 1 << 30  # torch's "no block mask" BlockMask (_create_empty_block_mask)
 _blocks = LRU(64)     # (id(BlockMask), versions, lengths, mask node) -> (weakref, BlockUse)
+_tables = LRU(64)     # id(class table) -> (weakref, (Q_BLOCK, KV_BLOCK)): tables that table_mask reads
 
 
 def unwrap_mask_mod(block_mask):
@@ -74,6 +79,34 @@ def table_mask(table, mask: ir.Node | None, qb: int, kvb: int) -> ir.Node:
     if mask is None or (mask.op == "const" and mask.value is True):
         return ir.ne(cls, 0)
     return ir.eq(cls, 2) | (ir.eq(cls, 1) & mask)
+
+
+def fine_table(captures, B: int, H: int, Lq: int, Lkv: int, per_head: bool, fine: int) -> torch.Tensor | None:
+    """Tile classes (X, ceil(Lq / fine), ceil(Lkv / fine)) of a variant whose mask is a BlockMask's
+    table_mask, read off the table when its block sizes are multiples of ``fine`` (each fine tile
+    inside one block); None otherwise (attncc.blocks then classifies the mask). A tile past the end
+    of a length is partial at most: full tiles run without bounds checks."""
+    found = None
+    for c in captures:
+        with lock:
+            hit = _tables.get(id(c))
+        if hit is not None and hit[0]() is c:
+            if found is not None:
+                return None
+            found = (c, *hit[1])
+    if found is None or found[1] % fine or found[2] % fine:
+        return None
+    table, qb, kvb = found
+    nq, nkv = -(-Lq // fine), -(-Lkv // fine)
+    rows = (torch.arange(nq, device=table.device) * fine // qb).clamp_max(table.shape[2] - 1)
+    cols = (torch.arange(nkv, device=table.device) * fine // kvb).clamp_max(table.shape[3] - 1)
+    cls = table.index_select(2, rows).index_select(3, cols)
+    if Lq % fine:
+        cls[:, :, -1] = cls[:, :, -1].clamp_max(1)
+    if Lkv % fine:
+        cls[:, :, :, -1] = cls[:, :, :, -1].clamp_max(1)
+    X = B * H if per_head else 1
+    return cls.expand(B, H, nq, nkv).reshape(X, nq, nkv).contiguous() if per_head else cls[:1, :1].reshape(1, nq, nkv)
 
 
 def _reads(node: ir.Node | None) -> set:
@@ -158,14 +191,19 @@ def block_use(block_mask, mask: ir.Node | None, Lq: int, Lkv: int, B: int, H: in
             "attncc's own bounds and tile classes derived from mask_mod; kv_indices and the q-direction "
             "tables are not read.")))
     else:
+        fits = qb % 32 == 0 and kvb % 32 == 0
+        how = ("its block sizes are multiples of attncc's 32x32 tile classes, so the classes are read off the "
+               "table (a full block's tiles full, a left-out block's empty, a partial block's partial) without "
+               "evaluating the mask" if fits else
+               f"{qb}x{kvb} is not a multiple of attncc's 32x32 tile classes, so attncc's block classification "
+               "kernel rebuilds them by evaluating that mask")
+        with lock:
+            _tables.put(id(table), (weakref.ref(table), (qb, kvb)))
         use = BlockUse(table_mask(table, mask, qb, kvb), table, (qb, kvb), (head, (
             f"used as: the mask reads the block table, (cls == full) | (cls == partial & mask_mod), because {why}. "
-            "attncc's block classification rebuilds its own tile lists from that mask (32x32 classes coarsened "
-            f"to each kernel's tiles; any block size works, {qb}x{kvb} "
-            f"{'is' if qb % 32 == 0 and kvb % 32 == 0 else 'is not'} a multiple of them): blocks the BlockMask "
-            "leaves out are skipped and tiles inside full blocks run without mask code. kv_indices are not "
-            "handed to the kernels as they are, and the q-direction tables (q_num_blocks / q_indices) are not "
-            "read: the dK/dV kernel transposes the same classes.")))
+            f"The kernels' tile lists come from 32x32 tile classes coarsened to each kernel's tiles; {how}. "
+            "Blocks the BlockMask leaves out are skipped and tiles inside full blocks run without mask code; "
+            "the dK/dV kernel transposes the same classes (the q-direction tables are not read).")))
     with lock:
         _blocks.put(key, (weakref.ref(block_mask), use))
     return use

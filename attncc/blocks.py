@@ -15,6 +15,8 @@ from collections import OrderedDict
 
 import torch
 
+from .blockmask import fine_table
+
 FINE = 32  # divides every tile size attncc uses (32, 64, 128)
 _lock = threading.RLock()
 _cache: OrderedDict = OrderedDict()
@@ -37,9 +39,12 @@ def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device, of
         _cache.move_to_end(key)
         return hit[0]
     X = B * H if per_head else 1
-    table = torch.empty(X, -(-Lq // FINE), -(-Lkv // FINE), dtype=torch.int8, device=device)
-    if table.numel():
-        fwd_module.classify(table, captures, H, Lq, Lkv, FINE, *offsets)
+    # a BlockMask's table mask whose blocks are whole fine tiles: the classes are the table's
+    table = fine_table(captures, B, H, Lq, Lkv, per_head, FINE) if offsets == (0, 0) else None
+    if table is None:
+        table = torch.empty(X, -(-Lq // FINE), -(-Lkv // FINE), dtype=torch.int8, device=device)
+        if table.numel():
+            fwd_module.classify(table, captures, H, Lq, Lkv, FINE, *offsets)
     _cache[key] = (table, [weakref.ref(c) for c in captures])
     _cache.move_to_end(key)
     while len(_cache) > _CACHE_SIZE:

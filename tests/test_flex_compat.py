@@ -543,6 +543,43 @@ def test_block_mask_from_kv_blocks_by_hand():
     assert "listed full but mask_mod is False" in flex.explain(None, full_wins)
 
 
+@pytest.mark.parametrize("block", [32, 64, 48], ids=["32", "64", "48"])
+def test_block_table_gives_the_tile_classes_when_its_blocks_are_whole_tiles(block, monkeypatch):
+    """A BlockMask that is the mask (blocks per batch and head, partial and full, ragged lengths):
+    with block sizes that are multiples of 32 the kernels' tile classes come straight from its
+    table (the mask is not classified again); 48 is classified. Forward, lse and gradients against
+    the dense reference of the same blocks."""
+    Lq, Lkv = 100, 150
+    nq, nkv = -(-Lq // block), -(-Lkv // block)
+    g = torch.Generator().manual_seed(block)
+    cls = torch.randint(0, 3, (B, H, nq, nkv), generator=g)
+    cls[..., 0] = 2  # every query row attends somewhere
+    order = torch.argsort(torch.rand(B, H, nq, nkv, generator=g), dim=-1)
+
+    def listed(c):
+        sel = (cls == c).gather(-1, order)
+        idx = order.gather(-1, torch.argsort((~sel).to(torch.int8), dim=-1, stable=True))
+        return sel.sum(-1).to(torch.int32), idx.to(torch.int32)
+    bm = BlockMask.from_kv_blocks(*listed(1), *listed(2), BLOCK_SIZE=block, seq_lengths=(Lq, Lkv))
+    tables = []
+    real = attncc.blocks.fine_table
+    monkeypatch.setattr(attncc.blocks, "fine_table", lambda *a: tables.append(real(*a)) or tables[-1])
+    dense = (cls > 0).repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :Lq, :Lkv]
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.float64) for L in (Lq, Lkv, Lkv))
+    want = _dense_attention(q, k, v, dense)
+    with torch.no_grad():
+        got = attncc.flex_attention(q.float(), k.float(), v.float(), block_mask=bm)
+    assert (got.double() - want).norm() / want.norm() < REL_TOL[torch.float32]
+    assert tables and all((t is not None) == (block % 32 == 0) for t in tables)
+    assert ("read off the table" if block % 32 == 0 else "rebuilds them") in flex.explain(None, bm)
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    attncc.flex_attention(qf, kf, vf, block_mask=bm).square().sum().backward()
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    _dense_attention(qd, kd, vd, dense).square().sum().backward()
+    for got_g, want_g in ((qf.grad, qd.grad), (kf.grad, kd.grad), (vf.grad, vd.grad)):
+        assert torch.isfinite(got_g).all() and (got_g.double() - want_g).norm() / want_g.norm() < 1e-4
+
+
 def test_block_mask_per_batch_and_head_with_gqa():
     Hq, Hkv, Lq, Lkv = 4, 2, 40, 48
 
