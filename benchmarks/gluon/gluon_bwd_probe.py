@@ -21,6 +21,17 @@ PATCHES = {
     "no-dq-add": [("    _tma_add(p.dq_desc, [b, h, m0, WG * HALF_D], dq_smem.reshape([1, 1, BLOCK_M, HALF_D]))\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
+    # two dQ buffers per consumer: the wait before writing one is for the add of two steps ago
+    "dq-double": [("    dq_smem = p.dq_smem.index(WG)\n    tma.store_wait(pendings=0)\n",
+                   "    dq_smem = p.dq_smem.index(j % 2 * 2 + WG)\n    tma.store_wait(pendings=1)\n"),
+                  ("gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)",
+                   "gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2], dq_layout)")],
+    # no wait for the previous add to have read its buffer (races: timing only)
+    "no-dq-wait": [("    tma.store_wait(pendings=0)\n    dq_smem.store", "    dq_smem.store")],
+    # whole query tiles in an order rotated per program, so that the K/V tiles of a head do not
+    # all add into the same dQ rows at the same time
+    "rotate": [("full_hi - 1 - (it - n_masked)))",
+                "full_lo + (full_hi - 1 - (it - n_masked) - full_lo + gl.program_id(0) * 3) % gl.maximum(full_hi - full_lo, 1)))")],
     "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
                  ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = gl.program_id(0) // p.BH_KV * (2 * p.BLOCK_N)")],
 }
@@ -69,7 +80,7 @@ def main():
             times = {}
             for patch in args.patches.split(","):
                 src = text
-                for old, new in PATCHES[patch]:
+                for old, new in [edit for part in patch.split("+") for edit in PATCHES[part]]:
                     assert old in src, (patch, old)
                     src = src.replace(old, new)
                 module = load(src, f"{name}_{patch}", folder)
