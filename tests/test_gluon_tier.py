@@ -128,7 +128,7 @@ if kind == "fwd":
                                                             GROUP=group, num_warps=4, maxnreg=168))
 else:
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_bwd"]
-    dq = module._descriptor(torch.zeros(B, H, Lq, d), block_m, d // 2)
+    dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, k, k, *k.stride(), *k.stride(), *caps,
             H, B * H // group, Lq, Lkv, 0.125]
