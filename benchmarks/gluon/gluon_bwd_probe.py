@@ -32,6 +32,37 @@ PATCHES = {
     # all add into the same dQ rows at the same time
     "rotate": [("full_hi - 1 - (it - n_masked)))",
                 "full_lo + (full_hi - 1 - (it - n_masked) - full_lo + gl.program_id(0) * 3) % gl.maximum(full_hi - full_lo, 1)))")],
+    # whole query tiles from the first one up, started kv_lo / BLOCK_M tiles in (full: every K/V tile
+    # of a head starts at another tile; causal: from the diagonal up)
+    "diag": [("def _q_block(it, full_lo, full_hi, hi, n_hi, n_masked):", "def _q_block(it, full_lo, full_hi, hi, n_hi, n_masked, rot):"),
+             ("full_hi - 1 - (it - n_masked)))", "full_lo + (it - n_masked + rot) % gl.maximum(full_hi - full_lo, 1)))"),
+             ("_q_block(j // GROUP, full_lo, full_hi, hi, n_hi, n_masked)",
+              "_q_block(j // GROUP, full_lo, full_hi, hi, n_hi, n_masked, gl.maximum(kv_lo // BLOCK_M - full_lo, 0))")],
+    # dQ's MMA before dK's, so that dK runs on the tensor cores while dQ goes to shared memory (FA4's order)
+    "dq-first": [("""    dsT_op = gl.convert_layout(dsT, op_layout)
+    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
+    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+    mbarrier.arrive(p.q_empty.index(slot), count=1)  # Q and dO of this slot are read
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+""", """    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dsT_op = gl.convert_layout(dsT, op_layout)
+    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    dv, dq, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok, pT_op))
+"""), ("""    _tma_add(p.dq_desc, [block * (HALF_D // 4), 0], dq_smem)
+    return dk, dv""", """    _tma_add(p.dq_desc, [block * (HALF_D // 4), 0], dq_smem)
+    dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))
+    mbarrier.arrive(p.q_empty.index(slot), count=1)
+    return dk, dv""")],
     "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
                  ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = gl.program_id(0) // p.BH_KV * (2 * p.BLOCK_N)")],
 }
