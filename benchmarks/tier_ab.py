@@ -24,6 +24,7 @@ def main():
     p.add_argument("--only", default=",".join(n for n in NAMES if not n.startswith("dropout")))
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
     p.add_argument("--backward", action="store_true")
+    p.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
     args = p.parse_args()
     kind = "bwd" if args.backward else "fwd"
     import attncc
@@ -52,7 +53,7 @@ def main():
                     result = fn()
                     ran = [s.tier for (key, kind_, s), _ in attncc.api._loaded.items()
                            if key == kernel.variant.ir_key and kind_ == kind]
-                    res[tier] = (do_bench(fn, warmup=25, rep=100, return_mode="median"), result, tier in ran)
+                    res[tier] = (do_bench(fn, warmup=25, rep=args.rep, return_mode="median"), result, tier in ran)
             os.environ.pop("ATTNCC_TIER")
             cudnn = None
             if case.sdpa is not None and not case.dropout_p:
@@ -66,7 +67,7 @@ def main():
                     else:
                         sfn = lambda: F.scaled_dot_product_attention(q, k, v, **case.sdpa)  # noqa: E731
                     try:
-                        cudnn = do_bench(sfn, warmup=25, rep=100, return_mode="median")
+                        cudnn = do_bench(sfn, warmup=25, rep=args.rep, return_mode="median")
                     except RuntimeError:
                         cudnn = None
             a, b = res["triton"][1].float(), res["gluon"][1].float()

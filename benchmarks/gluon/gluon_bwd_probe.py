@@ -18,26 +18,18 @@ from variants import make_cases  # noqa: E402
 # name -> [(old text, new text)] applied to the rendered source; each old text must occur
 PATCHES = {
     "base": [],
-    "no-dq-add": [("    _tma_add(p.dq_desc, [b, h, m0, WG * HALF_D], dq_smem.reshape([1, 1, BLOCK_M, HALF_D]))\n", "")],
+    "no-dq-add": [("    _tma_add(p.dq_desc, [block * (HALF_D // 4), 0], dq_smem)\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
     # two dQ buffers per consumer: the wait before writing one is for the add of two steps ago
-    "dq-double": [("    dq_smem = p.dq_smem.index(WG)\n    tma.store_wait(pendings=0)\n",
-                   "    dq_smem = p.dq_smem.index(j % 2 * 2 + WG)\n    tma.store_wait(pendings=1)\n"),
-                  ("gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)",
-                   "gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2], dq_layout)")],
+    "dq-double": [("    dq_smem = p.dq_smem.index(WG)\n    tma.store_wait(pendings=0)",
+                   "    dq_smem = p.dq_smem.index(j % 2 * 2 + WG)\n    tma.store_wait(pendings=1)"),
+                  ("gl.allocate_shared_memory(gl.float32, [2, HEAD_DIM // 8, 256], dq_layout)",
+                   "gl.allocate_shared_memory(gl.float32, [4, HEAD_DIM // 8, 256], dq_layout)")],
     # no wait for the previous add to have read its buffer (races: timing only)
-    "no-dq-wait": [("    tma.store_wait(pendings=0)\n    dq_smem.store", "    dq_smem.store")],
-    # whole query tiles in an order rotated per program, so that the K/V tiles of a head do not
-    # all add into the same dQ rows at the same time
-    "rotate": [("full_hi - 1 - (it - n_masked)))",
-                "full_lo + (full_hi - 1 - (it - n_masked) - full_lo + gl.program_id(0) * 3) % gl.maximum(full_hi - full_lo, 1)))")],
-    # whole query tiles from the first one up, started kv_lo / BLOCK_M tiles in (full: every K/V tile
-    # of a head starts at another tile; causal: from the diagonal up)
-    "diag": [("def _q_block(it, full_lo, full_hi, hi, n_hi, n_masked):", "def _q_block(it, full_lo, full_hi, hi, n_hi, n_masked, rot):"),
-             ("full_hi - 1 - (it - n_masked)))", "full_lo + (it - n_masked + rot) % gl.maximum(full_hi - full_lo, 1)))"),
-             ("_q_block(j // GROUP, full_lo, full_hi, hi, n_hi, n_masked)",
-              "_q_block(j // GROUP, full_lo, full_hi, hi, n_hi, n_masked, gl.maximum(kv_lo // BLOCK_M - full_lo, 0))")],
+    "no-dq-wait": [("    tma.store_wait(pendings=0)  # the previous step's add has read the buffer by now\n", "")],
+    # every K/V tile starts its whole query tiles at the first one
+    "no-rotation": [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return full_lo * 0")],
     # dQ's MMA before dK's, so that dK runs on the tensor cores while dQ goes to shared memory (FA4's order)
     "dq-first": [("""    dsT_op = gl.convert_layout(dsT, op_layout)
     dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
@@ -89,6 +81,7 @@ def main():
     p.add_argument("--shapes", default="4x16x4096x128,1x16x16384x128")
     p.add_argument("--only", default="full,causal")
     p.add_argument("--patches", default=",".join(PATCHES))
+    p.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
     args = p.parse_args()
     import attncc
     from triton.testing import do_bench
@@ -117,13 +110,13 @@ def main():
                 module = load(src, f"{name}_{patch}", folder)
                 fn = lambda: module.launch(q, k, v, out, lse, do, None, dq, dk, dv, caps, [], scale)  # noqa: E731
                 fn()
-                times[patch] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                times[patch] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
                 print(name, shape, patch, f"{times[patch]:.3f}", flush=True)
             qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
             import os
             os.environ["ATTNCC_TIER"] = "triton"
             o2 = attncc.attention(qt, kt, vt, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1)
-            tri = do_bench(lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True), warmup=25, rep=100,
+            tri = do_bench(lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True), warmup=25, rep=args.rep,
                            return_mode="median")
             os.environ.pop("ATTNCC_TIER")
             rows.append((name, "x".join(map(str, shape)), tri, times))
