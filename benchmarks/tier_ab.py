@@ -39,13 +39,13 @@ def main():
             q, k, v = (torch.randn(B, h, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
                        for h in (H, H // case.gqa, H // case.gqa))
             kernel = attncc.compile(attncc.Variant(case.score_mod, case.mask_mod))
+            do = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)  # one dO for both tiers
             res = {}
             for tier in ("triton", "gluon"):
                 os.environ["ATTNCC_TIER"] = tier
                 if args.backward:
                     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
                     out = kernel(q, k, v, enable_gqa=case.gqa > 1)
-                    do = torch.randn_like(out)
                     fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)[0]  # noqa: E731
                 else:
                     fn = lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)  # noqa: E731
