@@ -77,14 +77,16 @@ def model_configs(tiny: bool) -> dict:
 
 
 def build(cfg, impl: str, dtype, device):
-    """``cfg`` on ``impl`` with the weights of seed 0 (equal for every implementation)."""
+    """``cfg`` on ``impl`` with the weights of seed 0 (equal for every implementation and dtype:
+    drawn in float32, then cast: with transformers 5.17 a model built in bfloat16 from seed 0 had
+    other weights than the float32 one, and every implementation, sdpa too, differed by 1.4)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("sinks"):
                 p.normal_(0.0, 1.0)
-    return model.to(device).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def sync(device):
