@@ -60,21 +60,24 @@ class CompiledAttention:
         """The loaded generated module of one kernel ('fwd' or 'bwd') under a Spec."""
         return self._path_and_module(kernel, spec)[1]
 
-    def bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool = False) -> Spec:
-        """The backward's Spec: the forward's plus which captures need gradients."""
-        key = (fwd_spec, tuple(learnable), deterministic, config.atomic_dq(), config.tier())
+    def bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool = False, kv_len: int | None = None
+                 ) -> Spec:
+        """The backward's Spec: the forward's plus which captures need gradients (and the tier,
+        which may depend on whether ``kv_len`` keys are long enough for the Gluon backward)."""
+        long = tiers.long_enough(fwd_spec.head_dim, kv_len)
+        key = (fwd_spec, tuple(learnable), deterministic, config.atomic_dq(), config.tier(), long)
         spec = self._bwd_specs.get(key)
         if spec is None:
-            spec = self._bwd_specs[key] = self._new_bwd_spec(fwd_spec, learnable, deterministic)
+            spec = self._bwd_specs[key] = self._new_bwd_spec(fwd_spec, learnable, deterministic, kv_len)
         return spec
 
-    def _new_bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool) -> Spec:
+    def _new_bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool, kv_len: int | None) -> Spec:
         for i in learnable:
             if self.variant.captures[i].kind != ir.FLOAT:
                 raise AttnccError(f"captured tensor cap{i} ({self.variant.captures[i]!r}) requires grad but is "
                                   "not a float tensor; integer and bool captures are never differentiated")
         atomic = config.atomic_dq() and not deterministic
-        tier, why = tiers.choose_backward(self.variant, fwd_spec, tuple(learnable), deterministic)
+        tier, why = tiers.choose_backward(self.variant, fwd_spec, tuple(learnable), deterministic, kv_len)
         logger.debug("backward tier of %s: %s (%s)", self.variant, tier, why)
         return dataclasses.replace(fwd_spec, learnable=tuple(learnable), atomic_dq=atomic,
                                    deterministic=bool(deterministic and learnable), tma="off", ws="off",
@@ -209,7 +212,11 @@ class CompiledAttention:
             lines.append(f"  forward, sm90, bfloat16, head dim {d}: {tier} ({why})")
             spec = Spec("bfloat16", d, d, 1, "cuda-sm90", v.dropout_p > 0, tier=tier)
             tier, why = tiers.choose_backward(v, spec, (), False)
-            lines.append(f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})")
+            line = f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})"
+            if tier == "gluon" and d in tiers.GLUON_BWD_PAYS and config.tier() == "auto":
+                shorter = tiers.GLUON_BWD_PAYS[d][0] - 1
+                line += f"; up to {shorter} keys: {tiers.choose_backward(v, spec, (), False, shorter)[0]}"
+            lines.append(line)
         lines.append("  other GPUs, float32 and the interpreter: triton; inference kernels: triton")
         paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]
         lines += ["", "Generated kernels in this process:"] + (["  " + p for p in paths] or ["  (none yet)"])

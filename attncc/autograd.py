@@ -270,7 +270,7 @@ def run_forward(launch: Launch, q, k, v, captures):
 
 def run_backward(launch: Launch, dout, dlse, q, k, v, out, lse, captures, learnable: tuple):
     """dq, dk, dv and the gradients of captures[i] for i in learnable, in the captures' dtypes."""
-    spec = launch.compiled.bwd_spec(launch.spec, learnable, launch.deterministic)
+    spec = launch.compiled.bwd_spec(launch.spec, learnable, launch.deterministic, k.shape[2])
     if dout is None:
         dout = torch.zeros_like(out)
     call = launch.call

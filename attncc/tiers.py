@@ -23,12 +23,16 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 # benchmarks/gluon/NOTES.md): 128 (4x16x4096: full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384
 # full 3.46 vs 3.90); at 64 it measured slower (4x32x4096 full 1.356 vs 1.208, causal 0.736 vs 0.706)
 GLUON_PAYS = (128,)
-# Head dims where the Gluon backward measured faster than the Triton tier's: none yet. H100, bf16,
-# triton 3.6, ms Triton -> Gluon (benchmarks/gluon/gluon_bwd_probe.py): full 4x16x4096x128 3.17 ->
-# 3.55, causal 1.78 -> 1.90, full 1x16x16384x128 12.43 -> 13.32, causal 6.35 -> 7.17. Without its dQ
-# reduce-add it runs 2.64 / 1.54 / 9.72 / 5.69: the float32 dQ traffic is what it loses on.
-# ATTNCC_TIER=gluon runs it.
-GLUON_BWD_PAYS: tuple = ()
+# Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
+# benchmarks/tier_ab.py --backward, Triton ms / Gluon ms): head dim -> (shortest K/V length, GQA
+# too, score_mods whose gradient is not 1 too).
+#   64:  4x32x4096 1.00-1.16x (full 1.06, causal 1.06, alibi 1.09, softcap 1.16, GQA 4:1 1.05),
+#        2x16x16384 1.13-1.48x; 16x16x1024 0.54-0.86x (short programs: their fixed cost shows)
+#   128: 1x16x16384 full 1.12x, causal 1.06, sliding window 1.02, prefix-LM 1.06, ALiBi 1.00,
+#        softcap 0.93, GQA 4:1 0.94; 4x16x4096 full 1.08, causal 1.00, prefix-LM 0.96, ALiBi 0.95,
+#        softcap 0.87, GQA 0.71; 16x16x1024 0.60-0.91
+# ATTNCC_TIER=gluon runs it wherever it fits.
+GLUON_BWD_PAYS = {64: (4096, True, True), 128: (8192, False, False)}
 
 
 @lru_cache(maxsize=1)
@@ -111,10 +115,11 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
     return None
 
 
-def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool) -> tuple[str, str]:
-    """(tier, why) of the backward of a call whose forward ran under ``fwd_spec``: the Gluon
-    kernel (one program per K/V tile, dQ added by float32 TMA reduce-adds) where it fits, else
-    the Triton tier's kernels."""
+def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv_len: int | None = None
+                    ) -> tuple[str, str]:
+    """(tier, why) of the backward of a call whose forward ran under ``fwd_spec`` with ``kv_len``
+    keys (None: long enough): the Gluon kernel (one program per K/V tile, dQ added by float32 TMA
+    reduce-adds) where it fits and measured faster, else the Triton tier's kernels."""
     want = config.tier()
     if want == "triton":
         return "triton", "ATTNCC_TIER=triton"
@@ -130,6 +135,30 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool) ->
         why_not = "GQA with a mask that reads h: the Gluon backward bounds a K/V head's query heads together"
     if why_not:
         return "triton", why_not
-    if want == "auto" and d not in GLUON_BWD_PAYS:
-        return "triton", f"head dim {d}: the Gluon backward measured slower than the Triton tier's (tiers.GLUON_BWD_PAYS)"
-    return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {fwd_spec.dtype}, head dim {d}: measured faster"
+    if want == "gluon":
+        return "gluon", "ATTNCC_TIER=gluon"
+    why_not = _bwd_slower(variant, d, fwd_spec.group, kv_len)
+    if why_not:
+        return "triton", f"{why_not}: the Gluon backward measured slower than the Triton tier's (tiers.GLUON_BWD_PAYS)"
+    keys = f"{kv_len} keys" if kv_len is not None else f"from {GLUON_BWD_PAYS[d][0]} keys"
+    return "gluon", f"sm90, {fwd_spec.dtype}, head dim {d}, {keys}: measured faster"
+
+
+def long_enough(d: int, kv_len: int | None) -> bool:
+    """Whether kv_len keys reach the length from which the Gluon backward pays at head dim d
+    (what of the length the backward's tier depends on)."""
+    return kv_len is None or d not in GLUON_BWD_PAYS or kv_len >= GLUON_BWD_PAYS[d][0]
+
+
+def _bwd_slower(variant, d: int, group: int, kv_len: int | None) -> str | None:
+    if d not in GLUON_BWD_PAYS:
+        return f"head dim {d}"
+    min_len, gqa, any_dscore = GLUON_BWD_PAYS[d]
+    if kv_len is not None and kv_len < min_len:
+        return f"head dim {d}, {kv_len} keys (< {min_len})"
+    if group > 1 and not gqa:
+        return f"head dim {d} with GQA"
+    f = variant.analysis.facts
+    if not any_dscore and not (f.score_identity or f.score_bias):
+        return f"head dim {d} with a score_mod whose gradient is not 1"
+    return None

@@ -78,13 +78,42 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in src and "def producer(" in src and "def consumer(" in src
     assert "Gluon tier" not in kernel.source("fwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
-    # the Gluon backward runs where it is asked for (ATTNCC_TIER=gluon): it measured slower so far
-    assert "backward, sm90, bfloat16, head dim 128: triton (head dim 128: the Gluon backward measured slower" in text
-    assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
-    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    # the Gluon backward runs from the K/V length where it measured faster (tiers.GLUON_BWD_PAYS);
+    # source() shows what a long call runs
+    assert "backward, sm90, bfloat16, head dim 128: gluon (sm90, bfloat16, head dim 128, from 8192 keys" in text
+    assert "; up to 8191 keys: triton" in text and "; up to 4095 keys: triton" in text
     bwd = kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in bwd and "def attn_bwd(" in bwd and "_tma_add(" in bwd
-    assert "backward, sm90, bfloat16, head dim 64: gluon" in kernel.explain()
+    monkeypatch.setenv("ATTNCC_TIER", "triton")
+    assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
+    softcap = attncc.compile(_variant("softcap"))
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    assert "backward, sm90, bfloat16, head dim 128: gluon (ATTNCC_TIER=gluon)" in softcap.explain()
+    monkeypatch.delenv("ATTNCC_TIER")
+    assert "head dim 128: triton (head dim 128 with a score_mod whose gradient is not 1" in softcap.explain()
+
+
+def test_backward_tier_choice_follows_the_measurements(monkeypatch):
+    """Auto: the Gluon backward from 4096 keys at head dim 64 (GQA and any score_mod too), from
+    8192 at 128 without GQA and with score_mods whose gradient is 1; ATTNCC_TIER=gluon anywhere
+    it fits."""
+    monkeypatch.delenv("ATTNCC_TIER", raising=False)
+    causal, softcap = _variant("causal"), _variant("softcap")
+
+    def tier(variant, d, group, kv_len):
+        spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon")
+        return tiers.choose_backward(variant, spec, (), False, kv_len)
+
+    assert tier(causal, 128, 1, 8192)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "gluon"
+    assert tier(causal, 64, 4, 4096)[0] == "gluon" and tier(softcap, 64, 1, 4096)[0] == "gluon"
+    for args, why in [((causal, 128, 1, 8191), "128, 8191 keys (< 8192)"), ((causal, 64, 1, 1000), "(< 4096)"),
+                      ((causal, 128, 4, 16384), "with GQA"), ((softcap, 128, 1, 16384), "gradient is not 1"),
+                      ((causal, 80, 1, 16384), "equal head dims of 64 or 128")]:
+        got, reason = tier(*args)
+        assert got == "triton" and why in reason, (args, reason)
+    assert tiers.choose_backward(causal, Spec("bfloat16", 128, 128, 1, "cuda-sm90"), (), True, None)[0] == "triton"
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    assert tier(causal, 128, 4, 100) == ("gluon", "ATTNCC_TIER=gluon")
 
 
 # Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library

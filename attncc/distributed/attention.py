@@ -207,7 +207,7 @@ def backward(how, q, k, v, out, lse, caps, dout, dlse, learnable):
     ranks as threads of one process on a GPU, where autograd's one worker thread per device
     would run the ranks' backwards one inside the other)."""
     setup, comm, method = how
-    bwd_spec = setup.compiled.bwd_spec(setup.spec, learnable, setup.deterministic)
+    bwd_spec = setup.compiled.bwd_spec(setup.spec, learnable, setup.deterministic, k.shape[2])
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is not None:
