@@ -213,9 +213,10 @@ class CompiledAttention:
             spec = Spec("bfloat16", d, d, 1, "cuda-sm90", v.dropout_p > 0, tier=tier)
             tier, why = tiers.choose_backward(v, spec, (), False)
             line = f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})"
-            if tier == "gluon" and d in tiers.GLUON_BWD_PAYS and config.tier() == "auto":
-                shorter = tiers.GLUON_BWD_PAYS[d][0] - 1
-                line += f"; up to {shorter} keys: {tiers.choose_backward(v, spec, (), False, shorter)[0]}"
+            if tier == "triton" and d in tiers.GLUON_BWD_PAYS and config.tier() == "auto":
+                longer = tiers.GLUON_BWD_PAYS[d][0]
+                tier, why = tiers.choose_backward(v, spec, (), False, longer)
+                line += f"; from {longer} keys: {tier}" + (f" ({why})" if tier == "gluon" else "")
             lines.append(line)
         lines.append("  other GPUs, float32 and the interpreter: triton; inference kernels: triton")
         paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]

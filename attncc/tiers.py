@@ -118,8 +118,9 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
 def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv_len: int | None = None
                     ) -> tuple[str, str]:
     """(tier, why) of the backward of a call whose forward ran under ``fwd_spec`` with ``kv_len``
-    keys (None: long enough): the Gluon kernel (one program per K/V tile, dQ added by float32 TMA
-    reduce-adds) where it fits and measured faster, else the Triton tier's kernels."""
+    keys (None: a length not known, taken as short): the Gluon kernel (one program per K/V tile,
+    dQ added by float32 TMA reduce-adds) where it fits and measured faster, else the Triton tier's
+    kernels."""
     want = config.tier()
     if want == "triton":
         return "triton", "ATTNCC_TIER=triton"
@@ -140,22 +141,21 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
     why_not = _bwd_slower(variant, d, fwd_spec.group, kv_len)
     if why_not:
         return "triton", f"{why_not}: the Gluon backward measured slower than the Triton tier's (tiers.GLUON_BWD_PAYS)"
-    keys = f"{kv_len} keys" if kv_len is not None else f"from {GLUON_BWD_PAYS[d][0]} keys"
-    return "gluon", f"sm90, {fwd_spec.dtype}, head dim {d}, {keys}: measured faster"
+    return "gluon", f"sm90, {fwd_spec.dtype}, head dim {d}, {kv_len} keys: measured faster"
 
 
 def long_enough(d: int, kv_len: int | None) -> bool:
     """Whether kv_len keys reach the length from which the Gluon backward pays at head dim d
     (what of the length the backward's tier depends on)."""
-    return kv_len is None or d not in GLUON_BWD_PAYS or kv_len >= GLUON_BWD_PAYS[d][0]
+    return kv_len is not None and d in GLUON_BWD_PAYS and kv_len >= GLUON_BWD_PAYS[d][0]
 
 
 def _bwd_slower(variant, d: int, group: int, kv_len: int | None) -> str | None:
     if d not in GLUON_BWD_PAYS:
         return f"head dim {d}"
     min_len, gqa, any_dscore = GLUON_BWD_PAYS[d]
-    if kv_len is not None and kv_len < min_len:
-        return f"head dim {d}, {kv_len} keys (< {min_len})"
+    if kv_len is None or kv_len < min_len:
+        return f"head dim {d}, {'an unknown number of' if kv_len is None else kv_len} keys (< {min_len})"
     if group > 1 and not gqa:
         return f"head dim {d} with GQA"
     f = variant.analysis.facts
