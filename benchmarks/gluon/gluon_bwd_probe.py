@@ -18,11 +18,43 @@ from variants import make_cases  # noqa: E402
 # name -> [(old text, new text)] applied to the rendered source; each old text must occur
 PATCHES = {
     "base": [],
-    "no-dq-add": [("        _tma_add(p.dq_desc, [(block + wg) * (HALF_D // 4), 0], p.dq_smem.index(wg))\n", "")],
+    "no-dq-add": [("    _tma_add(p.dq_desc, [block * (HALF_D // 4), 0], dq_smem)\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
+    # two dQ buffers per consumer: the wait before writing one is for the add of two steps ago
+    "dq-double": [("    dq_smem = p.dq_smem.index(WG)\n    tma.store_wait(pendings=0)",
+                   "    dq_smem = p.dq_smem.index(j % 2 * 2 + WG)\n    tma.store_wait(pendings=1)"),
+                  ("gl.allocate_shared_memory(gl.float32, [2, HEAD_DIM // 8, 256], dq_layout)",
+                   "gl.allocate_shared_memory(gl.float32, [4, HEAD_DIM // 8, 256], dq_layout)")],
+    # no wait for the previous add to have read its buffer (races: timing only)
+    "no-dq-wait": [("    tma.store_wait(pendings=0)  # the previous step's add has read the buffer by now\n", "")],
     # every K/V tile starts its whole query tiles at the first one
     "no-rotation": [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return full_lo * 0")],
+    # dQ's MMA before dK's, so that dK runs on the tensor cores while dQ goes to shared memory (FA4's order)
+    "dq-first": [("""    dsT_op = gl.convert_layout(dsT, op_layout)
+    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
+    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+    mbarrier.arrive(p.q_empty.index(slot), count=1)  # Q and dO of this slot are read
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+""", """    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dsT_op = gl.convert_layout(dsT, op_layout)
+    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    dv, dq, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok, pT_op))
+"""), ("""    _tma_add(p.dq_desc, [block * (HALF_D // 4), 0], dq_smem)
+    return dk, dv""", """    _tma_add(p.dq_desc, [block * (HALF_D // 4), 0], dq_smem)
+    dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))
+    mbarrier.arrive(p.q_empty.index(slot), count=1)
+    return dk, dv""")],
     "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
                  ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = gl.program_id(0) // p.BH_KV * (2 * p.BLOCK_N)")],
 }
