@@ -304,3 +304,34 @@ def test_auto_method_says_which_and_why(caplog):
     assert any("context_parallel" in r.getMessage() and ("ring" in r.getMessage() or "allgather" in r.getMessage())
                for r in caplog.records), caplog.text
     assert callable(choose_method)
+
+
+def test_context_parallel_backward_keeps_the_triton_tier(monkeypatch):
+    """The Gluon backward takes no position offsets: whatever tier the backward would choose
+    (here forced to gluon), context parallelism runs the Triton tier's."""
+    from attncc import tiers
+    g = torch.Generator().manual_seed(5)
+    kernel = attncc.compile(attncc.Variant(mask_mod=lambda b, h, q, kv: kv <= q))
+    q, k, v, do = (torch.randn(1, 2, 64, D, generator=g) for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(kernel(qg, kg, vg), (qg, kg, vg), do)
+    monkeypatch.setattr(tiers, "choose_backward", lambda *args, **kwargs: ("gluon", "forced by the test"))
+    kernel._bwd_specs.clear()  # chosen afresh
+    from attncc.distributed import ring
+    specs, ring_backward = [], ring.ring_backward
+
+    def spy(setup, comm, bwd_spec, *args):
+        specs.append(bwd_spec)
+        return ring_backward(setup, comm, bwd_spec, *args)
+    monkeypatch.setattr(ring, "ring_backward", spy)
+
+    def rank(comm):
+        qs, ks, vs = (shard(t, comm, layout="zigzag").requires_grad_() for t in (q, k, v))
+        out = kernel.context_parallel(qs, ks, vs, group=comm, method="ring")
+        grads = torch.autograd.grad(out, (qs, ks, vs), shard(do, comm, layout="zigzag"))
+        return [unshard(t, comm, layout="zigzag") for t in grads]
+
+    got = ThreadGroup(2).run(rank)[0]
+    assert len(specs) == 2 and all(spec.tier == "triton" for spec in specs), specs
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5)

@@ -8,6 +8,8 @@ is an AttnccError on every rank, naming the rank, never a hang. Then ``method`` 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import math
 from functools import lru_cache
@@ -207,7 +209,8 @@ def backward(how, q, k, v, out, lse, caps, dout, dlse, learnable):
     ranks as threads of one process on a GPU, where autograd's one worker thread per device
     would run the ranks' backwards one inside the other)."""
     setup, comm, method = how
-    bwd_spec = setup.compiled.bwd_spec(setup.spec, learnable, setup.deterministic, k.shape[2])
+    # the Triton tier's backward, whatever ATTNCC_TIER says: the Gluon one takes no position offsets
+    bwd_spec = dataclasses.replace(setup.compiled.bwd_spec(setup.spec, learnable, setup.deterministic), tier="triton")
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is not None:
