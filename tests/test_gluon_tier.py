@@ -197,3 +197,35 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     result = subprocess.run([sys.executable, "-c", COMPILE, str(path), str(d), str(group), dtype, json.dumps(shapes), kind],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("d,lq", [(128, 128), (128, 100), (64, 17)])
+def test_gluon_dq_accumulator_order(d, lq, tmp_path):
+    """The float32 dQ buffer holds each warp group's half of a query tile in the wgmma
+    accumulator's register order: thread t = 32 warp + lane holds rows 16 warp + 8 i + lane // 4
+    and columns 8 k + 2 (lane % 4) + j at float (128 k + t) * 4 + 2 i + j of its block. The
+    launcher's permutation back into dq (both of its branches) must invert exactly that."""
+    variant = _variant("full")
+    source = codegen.render(plan.build("bwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon"),
+                                       variant.captures))
+    path = tmp_path / "bwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    B, H, half = 2, 3, d // 2
+    n_q = -(-lq // 64)
+    acc = torch.randn(B * H * n_q * 64 * d)
+    r = torch.arange(n_q * 64)[:, None]
+    c = torch.arange(d)[None, :]
+    wg, cc = c // half, c % half
+    lane = 4 * (r % 8) + (cc % 8) // 2
+    t = 32 * ((r % 64) // 16) + lane
+    f = (128 * (cc // 8) + t) * 4 + 2 * ((r % 16) // 8) + cc % 2
+    bh = torch.arange(B * H)[:, None, None]
+    index = ((bh * n_q + r // 64) * 2 + wg) * (64 * half) + f
+    want = acc[index].view(B, H, n_q * 64, d)[:, :, :lq]
+    dq = torch.empty(B, H, lq, d)
+    module._dq_from_acc(acc.view(-1, 256), dq, n_q)
+    assert torch.equal(dq, want)
+    strided = torch.empty(B, lq, H, d).transpose(1, 2)  # not contiguous: the other branch
+    module._dq_from_acc(acc.view(-1, 256), strided, n_q)
+    assert torch.equal(strided, want)

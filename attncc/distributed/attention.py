@@ -9,7 +9,6 @@ is an AttnccError on every rank, naming the rank, never a hang. Then ``method`` 
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import math
 from functools import lru_cache
