@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,3 +230,21 @@ def test_gluon_dq_accumulator_order(d, lq, tmp_path):
     strided = torch.empty(B, lq, H, d).transpose(1, 2)  # not contiguous: the other branch
     module._dq_from_acc(acc.view(-1, 256), strided, n_q)
     assert torch.equal(strided, want)
+
+
+def test_probe_patches_still_apply():
+    """benchmarks/gluon/gluon_bwd_probe.py times text patches of the rendered Gluon backward: each
+    old text must occur exactly once in the full and the causal kernel, or the probe measures a
+    patch that did nothing (or fails on the GPU, after its compile time)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon" / "bwd_patches.py"
+    spec = importlib.util.spec_from_file_location("bwd_patches", path)
+    patches = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patches)
+    for name in ("full", "causal"):
+        variant = _variant(name)
+        source = codegen.render(plan.build("bwd", variant.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90",
+                                                                         tier="gluon"), variant.captures))
+        for patch, edits in patches.PATCHES.items():
+            for old, _ in edits:
+                assert source.count(old) == 1, (name, patch, old[:80], source.count(old))
