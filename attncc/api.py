@@ -42,7 +42,7 @@ class CompiledAttention:
             raise AttnccError(f"attncc.compile takes an attncc.Variant, got {type(variant).__name__}; "
                               "build one with attncc.Variant(score_mod, mask_mod)")
         self.variant = variant
-        self._bwd_specs: dict = {}  # (forward Spec, learnable, deterministic, atomic dQ, tier) -> backward Spec
+        self._bwd_specs: dict = {}  # (forward Spec, learnable, deterministic, atomic dQ, tier, long) -> backward Spec
         # call signature -> autograd.Decision: what the checks and decisions of such a call
         # concluded (the Specs of the kernels that launched); a cache, left out of copies
         self._calls: dict = {}
