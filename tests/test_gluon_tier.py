@@ -205,7 +205,8 @@ def test_gluon_dq_accumulator_order(d, lq, tmp_path):
     """The float32 dQ buffer holds each warp group's half of a query tile in the wgmma
     accumulator's register order: thread t = 32 warp + lane holds rows 16 warp + 8 i + lane // 4
     and columns 8 k + 2 (lane % 4) + j at float (128 k + t) * 4 + 2 i + j of its block. The
-    launcher's permutation back into dq (both of its branches) must invert exactly that."""
+    launcher's permutation back into dq (whole tiles and a ragged last one, any dq strides) must
+    invert exactly that."""
     variant = _variant("full")
     source = codegen.render(plan.build("bwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon"),
                                        variant.captures))
@@ -227,7 +228,7 @@ def test_gluon_dq_accumulator_order(d, lq, tmp_path):
     dq = torch.empty(B, H, lq, d)
     module._dq_from_acc(acc.view(-1, 256), dq, n_q)
     assert torch.equal(dq, want)
-    strided = torch.empty(B, lq, H, d).transpose(1, 2)  # not contiguous: the other branch
+    strided = torch.empty(B, lq, H, d).transpose(1, 2)  # dq as a (B, L, H, D) tensor's view
     module._dq_from_acc(acc.view(-1, 256), strided, n_q)
     assert torch.equal(strided, want)
 
