@@ -6,6 +6,7 @@ bf16). Patched kernels compute wrong gradients where a patch drops work: they ar
     python benchmarks/gluon/gluon_bwd_probe.py [--shapes BxHxNxD,...] [--only full,causal]
 """
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -57,32 +58,37 @@ def main():
             out, lse = attncc.attention(q, k, v, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1, return_lse=True)
             do = torch.randn_like(out)
             scale = D ** -0.5
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            times = {}
+            qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
+            os.environ["ATTNCC_TIER"] = "triton"
+            o2 = attncc.attention(qt, kt, vt, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1)
+            want = torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)
+            tri = do_bench(lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True), warmup=25, rep=args.rep,
+                           return_mode="median")
+            os.environ.pop("ATTNCC_TIER")
+            times, errors = {}, {}
             for patch in args.patches.split(","):
                 src = text
                 for old, new in [edit for part in patch.split("+") for edit in PATCHES[part]]:
                     assert old in src, (patch, old)
                     src = src.replace(old, new)
                 module = load(src, f"{name}_{patch}", folder)
-                fn = lambda: module.launch(q, k, v, out, lse, do, None, dq, dk, dv, caps, [], scale)  # noqa: E731
+                grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+                fn = lambda: module.launch(q, k, v, out, lse, do, None, *grads, caps, [], scale)  # noqa: E731
                 fn()
+                # the largest error of dq, dk, dv against the Triton tier's, relative to its largest gradient
+                errs = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(grads, want)]
+                errors[patch] = float("nan") if any(e != e for e in errs) else max(errs)
                 times[patch] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
-                print(name, shape, patch, f"{times[patch]:.3f}", flush=True)
-            qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
-            import os
-            os.environ["ATTNCC_TIER"] = "triton"
-            o2 = attncc.attention(qt, kt, vt, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1)
-            tri = do_bench(lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True), warmup=25, rep=args.rep,
-                           return_mode="median")
-            os.environ.pop("ATTNCC_TIER")
-            rows.append((name, "x".join(map(str, shape)), tri, times))
+                print(name, shape, patch, f"{times[patch]:.3f} ms, error {errors[patch]:.1e}", flush=True)
+            rows.append((name, "x".join(map(str, shape)), tri, times, errors))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, backward ms (do_bench median)\n")
     patches = args.patches.split(",")
+    print("Each patch: ms (the largest error of its dq, dk, dv against the Triton tier's, relative; NaN")
+    print("where it left a gradient unwritten). Patches that drop work are timings only.\n")
     print("| variant | shape | triton tier | " + " | ".join(patches) + " |")
     print("|---|---|--:|" + "--:|" * len(patches))
-    for name, shape, tri, times in rows:
-        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f}" for p in patches) + " |")
+    for name, shape, tri, times, errors in rows:
+        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f} ({errors[p]:.0e})" for p in patches) + " |")
 
 
 if __name__ == "__main__":
