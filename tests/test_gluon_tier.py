@@ -162,9 +162,9 @@ else:
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, k, k, *k.stride(), *k.stride(), *caps,
-            H, B * H // group, Lq, Lkv, 0.125]
+            H, B * H // group, Lq, Lkv, 0.125, -5.5]
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                                                             GROUP=group, num_warps=4, maxnreg=168))
+                                                             GROUP=group, FOLD_LSE=True, num_warps=4, maxnreg=168))
     compile_for_sm90(module.attn_bwd_preprocess, [out, out, rows, rows, rows, rows, torch.zeros(B, H, Lq, d),
                                                   *out.stride(), *out.stride(), H, Lq],
                      dict(HEAD_DIM=d, BLOCK_M=64, HAS_DLSE=True, num_warps=4))
