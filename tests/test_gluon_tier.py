@@ -81,14 +81,14 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     assert "Gluon tier" not in kernel.source("fwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
     # the Gluon backward runs from the K/V length where it measured faster (tiers.GLUON_BWD_PAYS);
     # source() shows what a call of unknown length runs
-    assert ("backward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown number of keys (< 8192): "
+    assert ("backward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown number of keys (< 4096): "
             "the Gluon backward measured slower") in text
-    assert "; from 8192 keys: gluon (sm90, bfloat16, head dim 128, 8192 keys: measured faster)" in text
+    assert "; from 4096 keys: gluon (sm90, bfloat16, head dim 128, 4096 keys: measured faster)" in text
     assert "head dim 64, an unknown number of keys (< 4096)" in text and "; from 4096 keys: gluon" in text
     assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     softcap = attncc.compile(_variant("softcap"))
     assert "head dim 128: triton (head dim 128, an unknown" in softcap.explain()
-    assert "; from 8192 keys: triton\n" in softcap.explain()
+    assert "; from 4096 keys: gluon" in softcap.explain()
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     bwd = kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in bwd and "def attn_bwd(" in bwd and "_tma_add(" in bwd
@@ -96,9 +96,8 @@ def test_explain_and_source_name_the_tier(monkeypatch):
 
 
 def test_backward_tier_choice_follows_the_measurements(monkeypatch):
-    """Auto: the Gluon backward from 4096 keys at head dim 64 (GQA and any score_mod too), from
-    8192 at 128 without GQA and with score_mods whose gradient is 1; ATTNCC_TIER=gluon anywhere
-    it fits."""
+    """Auto: the Gluon backward from 4096 keys, at head dim 64 with GQA too, at 128 without;
+    ATTNCC_TIER=gluon anywhere it fits."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     causal, softcap = _variant("causal"), _variant("softcap")
 
@@ -106,10 +105,11 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
         spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon")
         return tiers.choose_backward(variant, spec, (), False, kv_len)
 
-    assert tier(causal, 128, 1, 8192)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "triton"
+    assert tier(causal, 128, 1, 4096)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "triton"
+    assert tier(softcap, 128, 1, 4096)[0] == "gluon"
     assert tier(causal, 64, 4, 4096)[0] == "gluon" and tier(softcap, 64, 1, 4096)[0] == "gluon"
-    for args, why in [((causal, 128, 1, 8191), "128, 8191 keys (< 8192)"), ((causal, 64, 1, 1000), "(< 4096)"),
-                      ((causal, 128, 4, 16384), "with GQA"), ((softcap, 128, 1, 16384), "gradient is not 1"),
+    for args, why in [((causal, 128, 1, 4095), "128, 4095 keys (< 4096)"), ((causal, 64, 1, 1000), "(< 4096)"),
+                      ((causal, 128, 4, 16384), "with GQA"),
                       ((causal, 80, 1, 16384), "equal head dims of 64 or 128")]:
         got, reason = tier(*args)
         assert got == "triton" and why in reason, (args, reason)

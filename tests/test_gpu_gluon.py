@@ -206,10 +206,10 @@ def test_gluon_backward_tier_choice(monkeypatch):
 @pytest.mark.parametrize("name,D,Hkv", [("causal", 128, 2), ("prefix_lm", 128, 2), ("softcap", 64, 1)])
 def test_auto_tier_picks_the_gluon_backward_for_long_sequences(name, D, Hkv, monkeypatch):
     """With no ATTNCC_TIER, a long enough call (tiers.GLUON_BWD_PAYS) runs the Gluon backward and
-    a short one the Triton tier's; both against float64 (odd length 8195 past the threshold)."""
+    a short one the Triton tier's; both against float64 (odd length 4099 past the threshold)."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     attncc.api._loaded.clear()
-    for L in (8195, 1000):
+    for L in (4099, 1000):
         torch.manual_seed(L)
         score_mod, mask_mod = BUILDERS[name](1, 2, L, L, "cuda")
         q = torch.randn(1, 2, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -217,7 +217,7 @@ def test_auto_tier_picks_the_gluon_backward_for_long_sequences(name, D, Hkv, mon
         out = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=Hkv != 2)
         do = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), do)
-        assert bool(_bwd_modules("gluon")) == (L > 8000), (L, _bwd_modules("gluon"))
+        assert bool(_bwd_modules("gluon")) == (L > 4096), (L, _bwd_modules("gluon"))
         qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
         ref = attncc.reference.attention(qd, kd, vd, score_mod, mask_mod, enable_gqa=Hkv != 2)
         want = torch.autograd.grad(ref, (qd, kd, vd), do.double())

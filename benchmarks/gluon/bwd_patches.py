@@ -11,31 +11,12 @@ PATCHES = {
     "stages-3": [("STAGES=2", "STAGES=3")],
     # every K/V tile starts its whole query tiles at the first one
     "no-rotation": [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return full_lo * 0")],
-    # dQ's MMA before dK's, so that dK runs on the tensor cores while dQ goes to shared memory (FA4's order)
-    "dq-first": [("""    dsT_op = gl.convert_layout(dsT, op_layout)
-    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
-    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
-    fence_async_shared()
-    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
-    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+    # what parts of the step cost (timing only): the exponential, the dK and the dQ products
+    "no-exp2": [("        pT = gl.exp2(sT)  # sT is the exponent already\n", "        pT = sT\n")],
+    "no-dk-mma": [("    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)\n", "    dk_tok = dk\n")],
+    "no-dq-mma": [("""    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
                            gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
-    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dk_tok, pT_op, dsT_op))
-    mbarrier.arrive(p.q_empty.index(slot), count=1)  # Q and dO of this slot are read
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-""", """    fence_async_shared()
-    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
-    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
-                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
-    dsT_op = gl.convert_layout(dsT, op_layout)
-    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
-    dv, dq, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok, pT_op))
-"""), ("""    mbarrier.arrive(p.dq_bars.index(WG), count=1)
-    return dk, dv""", """    mbarrier.arrive(p.dq_bars.index(WG), count=1)
-    dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))
-    mbarrier.arrive(p.q_empty.index(slot), count=1)
-    return dk, dv""")],
+""", "    dq_tok = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)\n")],
     # a warp of its own issues the dQ adds (FA3's dQ writer warp), so that the producer's loads never wait for them
     "dq-warp": [
         ("""        if j > 0:
