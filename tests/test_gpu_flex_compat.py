@@ -98,10 +98,16 @@ def test_variant_gpu_against_compiled_flex_attention(name):
     q, k, v = _inputs(case, torch.bfloat16, seed=1)
     with torch.no_grad():
         ref, ref_lse = reference(q, k, v, case.score_mod, case.mask_mod)
-        theirs, their_aux = torch_compiled_flex(q, k, v, case.score_mod, bm,
-                                                return_aux=AuxRequest(lse=True, max_scores=True))
         ours, aux = attncc.flex_attention(q, k, v, case.score_mod, bm, return_aux=AuxRequest(lse=True, max_scores=True))
     err_ours = assert_close_to_reference(ours, aux.lse, ref, ref_lse, torch.bfloat16)
+    try:
+        with torch.no_grad():
+            theirs, their_aux = torch_compiled_flex(q, k, v, case.score_mod, bm,
+                                                    return_aux=AuxRequest(lse=True, max_scores=True))
+    except Exception as e:  # torch's kernel, not attncc's: bias_4d needs 245760 bytes of shared memory (H100, torch 2.11)
+        if "out of resource" not in str(e):
+            raise
+        pytest.skip(f"attncc matched the float64 reference; torch.compile(flex_attention) could not compile this case: {e}")
     err_theirs = _rel(theirs, ref)
     assert err_ours <= max(2 * err_theirs, REL_TOL[torch.bfloat16] / 2), (err_ours, err_theirs)
     finite = torch.isfinite(their_aux.max_scores)
