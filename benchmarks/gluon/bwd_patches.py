@@ -38,4 +38,12 @@ def dq_writer(p: Pipeline):
         ("maxnreg=168,", "maxnreg=152,")],
     "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
                  ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = gl.program_id(0) // p.BH_KV * (2 * p.BLOCK_N)")],
+    # heads in chunks of 4 (b, K/V head) pairs, K/V tile major inside a chunk: the longest programs
+    # of a chunk (causal: its first K/V tiles) start first, and a chunk's heads share L2
+    "chunk4": [("""    bh_kv = gl.program_id(0) // n_kv
+""", """    chunk = gl.program_id(0) // (4 * n_kv)
+    size = gl.minimum(p.BH_KV - chunk * 4, 4)
+    r = gl.program_id(0) % (4 * n_kv)
+    bh_kv = chunk * 4 + r % size
+"""), ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = r // size * (2 * p.BLOCK_N)")],
 }
