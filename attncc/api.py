@@ -214,7 +214,7 @@ class CompiledAttention:
             tier, why = tiers.choose_backward(v, spec, (), False)
             line = f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})"
             if tier == "triton" and d in tiers.GLUON_BWD_PAYS and config.tier() == "auto":
-                longer = tiers.GLUON_BWD_PAYS[d][0]
+                longer = tiers.GLUON_BWD_PAYS[d]
                 tier, why = tiers.choose_backward(v, spec, (), False, longer)
                 line += f"; from {longer} keys: {tier}" + (f" ({why})" if tier == "gluon" else "")
             lines.append(line)

@@ -24,14 +24,15 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 # full 3.46 vs 3.90); at 64 it measured slower (4x32x4096 full 1.356 vs 1.208, causal 0.736 vs 0.706)
 GLUON_PAYS = (128,)
 # Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
-# benchmarks/tier_ab.py --backward, Triton ms / Gluon ms): head dim -> (shortest K/V length, GQA too).
+# benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
+# the shortest K/V length.
 #   64:  4x32x4096 1.00-1.16x (full 1.06, causal 1.06, alibi 1.09, softcap 1.16, GQA 4:1 1.05),
 #        2x16x16384 1.13-1.48x; 16x32x1024 0.73-0.99x (short programs: their fixed cost shows)
 #   128: 4x16x4096 full 1.20x, causal 1.25, sliding window 1.14, ALiBi 1.08, softcap 1.05, GQA 4:1
-#        0.88 (one program runs all GROUP query heads of its K/V head: fewer, longer programs);
+#        1.07 (0.88 before the grid ran in chunks); 1x16x16384 full 1.37, causal 1.29, GQA 1.20;
 #        16x16x1024 0.68-1.06 (full 1.06, causal 0.93)
 # ATTNCC_TIER=gluon runs it wherever it fits.
-GLUON_BWD_PAYS = {64: (4096, True), 128: (4096, False)}
+GLUON_BWD_PAYS = {64: 4096, 128: 4096}
 
 
 @lru_cache(maxsize=1)
@@ -137,7 +138,7 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
         return "triton", why_not
     if want == "gluon":
         return "gluon", "ATTNCC_TIER=gluon"
-    why_not = _bwd_slower(variant, d, fwd_spec.group, kv_len)
+    why_not = _bwd_slower(d, kv_len)
     if why_not:
         return "triton", f"{why_not}: the Gluon backward measured slower than the Triton tier's (tiers.GLUON_BWD_PAYS)"
     return "gluon", f"sm90, {fwd_spec.dtype}, head dim {d}, {kv_len} keys: measured faster"
@@ -146,15 +147,13 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
 def long_enough(d: int, kv_len: int | None) -> bool:
     """Whether kv_len keys reach the length from which the Gluon backward pays at head dim d
     (what of the length the backward's tier depends on)."""
-    return kv_len is not None and d in GLUON_BWD_PAYS and kv_len >= GLUON_BWD_PAYS[d][0]
+    return kv_len is not None and d in GLUON_BWD_PAYS and kv_len >= GLUON_BWD_PAYS[d]
 
 
-def _bwd_slower(variant, d: int, group: int, kv_len: int | None) -> str | None:
+def _bwd_slower(d: int, kv_len: int | None) -> str | None:
     if d not in GLUON_BWD_PAYS:
         return f"head dim {d}"
-    min_len, gqa = GLUON_BWD_PAYS[d]
+    min_len = GLUON_BWD_PAYS[d]
     if kv_len is None or kv_len < min_len:
         return f"head dim {d}, {'an unknown number of' if kv_len is None else kv_len} keys (< {min_len})"
-    if group > 1 and not gqa:
-        return f"head dim {d} with GQA"
     return None

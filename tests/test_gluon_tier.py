@@ -96,8 +96,8 @@ def test_explain_and_source_name_the_tier(monkeypatch):
 
 
 def test_backward_tier_choice_follows_the_measurements(monkeypatch):
-    """Auto: the Gluon backward from 4096 keys, at head dim 64 with GQA too, at 128 without;
-    ATTNCC_TIER=gluon anywhere it fits."""
+    """Auto: the Gluon backward from 4096 keys at head dims 64 and 128 (GQA and any score_mod
+    too); ATTNCC_TIER=gluon anywhere it fits."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     causal, softcap = _variant("causal"), _variant("softcap")
 
@@ -106,10 +106,9 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
         return tiers.choose_backward(variant, spec, (), False, kv_len)
 
     assert tier(causal, 128, 1, 4096)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "triton"
-    assert tier(softcap, 128, 1, 4096)[0] == "gluon"
+    assert tier(softcap, 128, 1, 4096)[0] == "gluon" and tier(causal, 128, 4, 16384)[0] == "gluon"
     assert tier(causal, 64, 4, 4096)[0] == "gluon" and tier(softcap, 64, 1, 4096)[0] == "gluon"
     for args, why in [((causal, 128, 1, 4095), "128, 4095 keys (< 4096)"), ((causal, 64, 1, 1000), "(< 4096)"),
-                      ((causal, 128, 4, 16384), "with GQA"),
                       ((causal, 80, 1, 16384), "equal head dims of 64 or 128")]:
         got, reason = tier(*args)
         assert got == "triton" and why in reason, (args, reason)
@@ -162,7 +161,7 @@ else:
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, k, k, *k.stride(), *k.stride(), *caps,
-            H, B * H // group, Lq, Lkv, 0.125, -5.5]
+            H, B * H // group, Lq, Lkv, 0.125, -5.5, 3]
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                              GROUP=group, FOLD_LSE=True, num_warps=4, maxnreg=168))
     compile_for_sm90(module.attn_bwd_preprocess, [out, out, rows, rows, rows, rows, torch.zeros(B, H, Lq, d),

@@ -3,6 +3,8 @@ gluon_bwd_probe.py times: each switches a part of the schedule off or tries anot
 apart from the probe so that tests/test_gluon_tier.py can check every patch still applies (each
 old text occurs exactly once in the rendered full and causal kernels)."""
 
+_CHUNK = "    chunk = max(1, _sm_count(q.device) // n_kv)  # pairs of a chunk: about one wave of programs (see _program)\n"
+
 # name -> [(old text, new text)] applied to the rendered source (the probe joins names with +)
 PATCHES = {
     "base": [],
@@ -36,14 +38,9 @@ def dq_writer(p: Pipeline):
         ("        (producer, (p, )),\n    ], [4, 1], [240, 24])",
          "        (producer, (p, )),\n        (dq_writer, (p, )),\n    ], [4, 1, 1], [240, 24, 24])"),
         ("maxnreg=168,", "maxnreg=152,")],
-    "kv-major": [("    bh_kv = gl.program_id(0) // n_kv\n", "    bh_kv = gl.program_id(0) % p.BH_KV\n"),
-                 ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = gl.program_id(0) // p.BH_KV * (2 * p.BLOCK_N)")],
-    # heads in chunks of 4 (b, K/V head) pairs, K/V tile major inside a chunk: the longest programs
-    # of a chunk (causal: its first K/V tiles) start first, and a chunk's heads share L2
-    "chunk4": [("""    bh_kv = gl.program_id(0) // n_kv
-""", """    chunk = gl.program_id(0) // (4 * n_kv)
-    size = gl.minimum(p.BH_KV - chunk * 4, 4)
-    r = gl.program_id(0) % (4 * n_kv)
-    bh_kv = chunk * 4 + r % size
-"""), ("    kv_lo = gl.program_id(0) % n_kv * (2 * p.BLOCK_N)", "    kv_lo = r // size * (2 * p.BLOCK_N)")],
+    # the grid's order (_program): chunks of one (batch, K/V head) pair (head major), of four, of all
+    # of them (K/V tile major), instead of about one wave of programs per chunk
+    "chunk1": [(_CHUNK, "    chunk = 1\n")],
+    "chunk4": [(_CHUNK, "    chunk = 4\n")],
+    "kv-major": [(_CHUNK, "    chunk = BH_KV\n")],
 }
