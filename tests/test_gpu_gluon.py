@@ -190,6 +190,30 @@ def test_gluon_backward_fully_masked_rows_and_keys(monkeypatch):
         assert torch.isfinite(g).all() and ((g.double() - w).norm() / w.norm()).item() < 3e-2
 
 
+@pytest.mark.parametrize("scale", [0.0, 1e-35, -0.3])
+def test_gluon_backward_scales_the_lse_start_cannot_take(scale, monkeypatch):
+    """S^T's accumulator starts from -lse2 / (scale log2 e) only where that fits a float32: a
+    scale of 0 or next to it reads lse2 in the step instead (FOLD_LSE=False); a negative scale
+    starts it. Gradients against float64 either way."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    out = attncc.attention(q, k, v, None, mask, scale=scale)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    assert _bwd_modules("gluon")
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(attncc.reference.attention(qd, kd, vd, None, mask, scale=scale), (qd, kd, vd),
+                               do.double())
+    for label, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all(), label
+        if w.norm() > 0:  # dq and dk vanish with the scale
+            assert ((g.double() - w).norm() / w.norm()).item() < BWD_TOL[torch.bfloat16], label
+        else:
+            assert (g == 0).all(), label
+
+
 def test_gluon_backward_tier_choice(monkeypatch):
     """Learnable captures and deterministic mode keep the Triton tier's backward."""
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
