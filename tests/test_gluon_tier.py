@@ -201,11 +201,12 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("d,lq", [(128, 128), (128, 100), (64, 17)])
+@pytest.mark.parametrize("d,lq", [(128, 128), (128, 100), (64, 17), (64, 256), (64, 300)])
 def test_gluon_dq_accumulator_order(d, lq, tmp_path):
-    """The float32 dQ buffer holds each warp group's half of a query tile in the wgmma
-    accumulator's register order: thread t = 32 warp + lane holds rows 16 warp + 8 i + lane // 4
-    and columns 8 k + 2 (lane % 4) + j at float (128 k + t) * 4 + 2 i + j of its block. The
+    """The float32 dQ buffer holds each warp group's half of a query tile (64 rows x DQ_N columns:
+    the columns split at query tiles of 64, the rows at tiles of 128) in the wgmma accumulator's
+    register order: thread t = 32 warp + lane holds rows 16 warp + 8 i + lane // 4 and columns
+    8 k + 2 (lane % 4) + j of its half at float (128 k + t) * 4 + 2 i + j of its block. The
     launcher's permutation back into dq (whole tiles and a ragged last one, any dq strides) must
     invert exactly that."""
     variant = _variant("full")
@@ -214,18 +215,23 @@ def test_gluon_dq_accumulator_order(d, lq, tmp_path):
     path = tmp_path / "bwd.py"
     path.write_text(source)
     module = runtime.load(path, True, source)
-    B, H, half = 2, 3, d // 2
-    n_q = -(-lq // 64)
-    acc = torch.randn(B * H * n_q * 64 * d)
-    r = torch.arange(n_q * 64)[:, None]
+    block_m = module.LAUNCH_TILES["attn_bwd"][0]
+    dq_n = block_m * d // 128
+    B, H = 2, 3
+    n_q = -(-lq // block_m)
+    acc = torch.randn(B * H * n_q * block_m * d)
+    r = torch.arange(n_q * block_m)[:, None]
     c = torch.arange(d)[None, :]
-    wg, cc = c // half, c % half
-    lane = 4 * (r % 8) + (cc % 8) // 2
-    t = 32 * ((r % 64) // 16) + lane
-    f = (128 * (cc // 8) + t) * 4 + 2 * ((r % 16) // 8) + cc % 2
+    if block_m == 128:  # the warp groups split the rows
+        wg, rr, cc = (r % block_m) // 64, r % 64, c
+    else:  # the columns
+        wg, rr, cc = c // dq_n, r % 64, c % dq_n
+    lane = 4 * (rr % 8) + (cc % 8) // 2
+    t = 32 * (rr // 16) + lane
+    f = (128 * (cc // 8) + t) * 4 + 2 * ((rr % 16) // 8) + cc % 2
     bh = torch.arange(B * H)[:, None, None]
-    index = ((bh * n_q + r // 64) * 2 + wg) * (64 * half) + f
-    want = acc[index].view(B, H, n_q * 64, d)[:, :, :lq]
+    index = ((bh * n_q + r // block_m) * 2 + wg) * (64 * dq_n) + f
+    want = acc[index].view(B, H, n_q * block_m, d)[:, :, :lq]
     dq = torch.empty(B, H, lq, d)
     module._dq_from_acc(acc.view(-1, 256), dq, n_q)
     assert torch.equal(dq, want)

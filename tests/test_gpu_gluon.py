@@ -111,8 +111,12 @@ BWD_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}  # as tests/test_gpu_backw
 BWD_SHAPES = {"2x3x17": (2, 3, 3, 17, 17, 128), "gqa8:2-1000": (2, 8, 2, 1000, 1000, 128),
               "Lq300-Lkv1500": (1, 4, 4, 300, 1500, 128), "Lq1500-Lkv300": (1, 4, 4, 1500, 300, 128),
               "Lq1-Lkv777": (2, 2, 2, 1, 777, 128), "D64-gqa4:1-Lq1000": (1, 4, 1, 1000, 1000, 64),
-              "whole-tiles-2x4x1024": (2, 4, 4, 1024, 1024, 128)}
-BWD_FP16 = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq1000")
+              "whole-tiles-2x4x1024": (2, 4, 4, 1024, 1024, 128),
+              # head dim 64 takes query tiles of 128 and splits dQ by rows (attncc.tiles.gluon_tiles)
+              "D64-2x3x17": (2, 3, 3, 17, 17, 64), "D64-Lq300-Lkv1500": (1, 4, 4, 300, 1500, 64),
+              "D64-Lq1500-Lkv300": (1, 4, 4, 1500, 300, 64), "D64-Lq1-Lkv777": (2, 2, 2, 1, 777, 64),
+              "D64-whole-tiles-2x4x1024": (2, 4, 4, 1024, 1024, 64)}
+BWD_FP16 = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq1000", "D64-Lq1500-Lkv300")
 
 
 def _bwd_modules(tier: str):
@@ -139,7 +143,8 @@ def _grads(name, shape, dtype, seed, layout="bhld"):
 def test_gluon_backward_matches_reference(name, shape, dt, monkeypatch):
     """dQ, dK, dV of the Gluon backward against float64 autograd through the reference (NaN fails):
     within the dtype's tolerance relative to the gradient, or (where the exact gradient is about 0,
-    as dQ of a query that sees one key) within twice the Triton tier's error on the same inputs."""
+    as dQ of a query that sees one key) within twice the Triton tier's error on the same inputs or
+    float32's rounding of dP - Delta."""
     dtype = DTYPES[dt]
     seed = f"gbwd-{name}-{shape}-{dt}"
     monkeypatch.setenv("ATTNCC_TIER", "triton")
@@ -151,10 +156,13 @@ def test_gluon_backward_matches_reference(name, shape, dt, monkeypatch):
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = attncc.reference.attention(qd, kd, vd, score_mod, mask_mod, enable_gqa=q.shape[1] != k.shape[1])
     want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    # where the exact gradient is 0 (dQ of a query that sees one key: dP - Delta cancels), float32
+    # rounding of dP - Delta is what is left: a floor far below any wrong term, scaled by |dV| ~ |dO|
+    floor = 1e-5 * want[2].norm().item()
     for label, g, t, w in zip(("dq", "dk", "dv"), got, oracle, want):
         assert torch.isfinite(g).all(), f"{label}: non-finite values"
         err, triton_err = (g.double() - w).norm().item(), (t.double() - w).norm().item()
-        bound = max(BWD_TOL[dtype] * w.norm().item(), 2 * triton_err)
+        bound = max(BWD_TOL[dtype] * w.norm().item(), 2 * triton_err, floor)
         assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g} (|grad| {w.norm().item():.3g}, Triton tier {triton_err:.3g})"
 
 

@@ -8,7 +8,7 @@ _CHUNK = "    chunk = max(1, _sm_count(q.device) // n_kv)  # pairs of a chunk: a
 # name -> [(old text, new text)] applied to the rendered source (the probe joins names with +)
 PATCHES = {
     "base": [],
-    "no-dq-add": [("        _tma_add(p.dq_desc, [(block + wg) * (HALF_D // 4), 0], p.dq_smem.index(wg))\n", "")],
+    "no-dq-add": [("        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
     # every K/V tile starts its whole query tiles at the first one
@@ -16,9 +16,24 @@ PATCHES = {
     # what parts of the step cost (timing only): the exponential, the dK and the dQ products
     "no-exp2": [("        pT = gl.exp2(sT)  # sT is the exponent already\n", "        pT = sT\n")],
     "no-dk-mma": [("    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)\n", "    dk_tok = dk\n")],
-    "no-dq-mma": [("""    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * HALF_D, HALF_D, dim=1),
-                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
-""", "    dq_tok = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)\n")],
+    "no-dq-mma": [("""    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+""", "    dq_tok = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)\n")],
+    # FA4's order: dQ's product before dK's, and dQ stored for the producer while dK's runs
+    "dq-first": [
+        ("""    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
+""", ""),
+        ("""    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+""", """    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    dv, dq, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok, pT_op))
+"""),
+        ("""    mbarrier.arrive(p.dq_bars.index(WG), count=1)
+    return dk, dv
+""", """    mbarrier.arrive(p.dq_bars.index(WG), count=1)
+    dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))
+    return dk, dv
+""")],
     # a warp of its own issues the dQ adds (FA3's dQ writer warp), so that the producer's loads never wait for them
     "dq-warp": [
         ("""        if j > 0:
