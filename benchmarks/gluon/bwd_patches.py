@@ -34,6 +34,9 @@ PATCHES = {
     dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))
     return dk, dv
 """)],
+    # the masked steps' dP^T starts from -Delta too, as the whole tiles' (before the C7517 fix)
+    "dp-fold-masked": [("    if MASKED:  # Delta is subtracted below", "    if False:  # Delta is subtracted below"),
+                       ("    if MASKED:\n        dpT = dpT - ", "    if False:\n        dpT = dpT - ")],
     # a warp of its own issues the dQ adds (FA3's dQ writer warp), so that the producer's loads never wait for them
     "dq-warp": [
         ("""        if j > 0:
