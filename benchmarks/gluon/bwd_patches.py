@@ -37,6 +37,12 @@ PATCHES = {
     # the masked steps' dP^T starts from -Delta too, as the whole tiles' (before the C7517 fix)
     "dp-fold-masked": [("    if MASKED:  # Delta is subtracted below", "    if False:  # Delta is subtracted below"),
                        ("    if MASKED:\n        dpT = dpT - ", "    if False:\n        dpT = dpT - ")],
+    # dS^T from P^T as rounded for the dV product (the input dtype), not from float32: 32 registers
+    # fewer through the dP^T wait, dS^T's rounding error about sqrt(2) times (compiled: more spills)
+    "p-lowp": [("    pT_op = gl.convert_layout(pT.to(p.q_desc.dtype), op_layout)\n",
+                "    pT_lp = pT.to(p.q_desc.dtype)\n    pT_op = gl.convert_layout(pT_lp, op_layout)\n"),
+               ("    dsT = pT * dpT  # dS' = P * (dP - Delta)\n",
+                "    pT = pT_lp.to(gl.float32)\n    dsT = pT * dpT  # dS' = P * (dP - Delta)\n")],
     # a warp of its own issues the dQ adds (FA3's dQ writer warp), so that the producer's loads never wait for them
     "dq-warp": [
         ("""        if j > 0:
