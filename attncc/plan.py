@@ -136,6 +136,7 @@ class KernelPlan:
     mods: dict            # kernel function name -> printer.ModCode
     bounds: dict          # kernel function name -> TileRange of its inner loop
     grads: tuple = ()     # CapGrad per learnable load site (bwd)
+    row_dots: bool = False  # the mods call _row_dot (printer.find_row_dots): the header defines it
     # score_mod = score + bias: the mods compute bias * log2(e) ("bias") and the kernels take
     # s = q.k * (scale * log2(e)) + bias, one FMA per score for the scale, the bias and the change
     # to log2 units (backward and decode kernels, see build)
@@ -282,7 +283,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
         # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by TMA reduce-add)
         fns = {"attn_bwd_dkdv": {Q}} if gluon else {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
-    mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang) for fn, loop in fns.items() if loop}
+    mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang, row_dots=not gluon) for fn, loop in fns.items() if loop}
+    row_dots = any("_row_dot(" in text for m in mods.values() for _, text in m.hoisted + m.body)
     tp = printer.TritonPrinter(cap_info, interp, lang)
     mask = analysis.mask
     ranges = {"attn_fwd": (Q, KV, Q_LO, Q_HI), "attn_bwd_dq": (Q, KV, Q_LO, Q_HI),
@@ -304,7 +306,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
                                                    i in spec.in_range))
                  for i, (nd, kind) in enumerate(analysis.captures))
     d = max(pow2(spec.head_dim), pow2(spec.head_dim_v))
-    ws = kernel == "fwd" and not gluon and ws_fits(block_sparse, spec) and (
+    ws = kernel == "fwd" and not gluon and not row_dots and ws_fits(block_sparse, spec) and (
         spec.ws == "on" or (spec.ws == "auto" and ws_pays(f, analysis.score, mask_class, spec)))
     ws_limit = ws_kv(mask_class, spec) if ws else 0
     general = kernel == "fwd" and not gluon and (not ws or ws_limit > 0)  # attn_fwd runs some of the lengths
@@ -324,7 +326,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         fold_scale=f.score_identity and spec.positive_scale and (gluon or kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
         tiles=gluon_tiles(kernel, spec) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
-        mods=mods,
+        mods=mods, row_dots=row_dots,
         bounds=tile_bounds, grads=grads,
         log2_bias=log2_bias, atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
         split_d=split_dim(spec.head_dim),

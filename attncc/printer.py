@@ -24,11 +24,11 @@ from sympy.printing.str import StrPrinter
 from .passes import symbolic as S
 
 # The temporaries ``emit`` assigns besides the outputs' labels (which the templates read): cse
-# temporaries, hoisted invariants, capture loads, float twins of the positions. None comes from
+# temporaries, hoisted invariants, capture loads, row products, float twins of the positions. None comes from
 # the user (a capture's Python name reaches generated files in comments only: plan.comment_name),
 # and no template names a variable of this form (tests/test_codegen_names.py), so mod code and
 # kernel code never collide.
-TEMP_NAMES = re.compile(r"t\d+|inv\d+|cap\d+_\d+|q_idx_f|kv_idx_f")
+TEMP_NAMES = re.compile(r"t\d+|inv\d+|cap\d+_\d+|rd\d+|q_idx_f|kv_idx_f")
 
 
 # Triton functions Gluon does not have: the Gluon templates define these helpers in their place
@@ -286,6 +286,22 @@ class TritonPrinter(StrPrinter):
             return self._load(int(e.func.__name__[3:]), e.args)
         return super()._print_Function(e)
 
+    def _print_RowDot(self, e):
+        (na, ia), (nb, ib) = (e.side(0), e.side(1))
+        args = [self._row(na, ia), self._row(nb, ib)]
+        pad = max(16, 1 << (e.length - 1).bit_length())
+        return f"_row_dot({', '.join(args)}, {e.length}, {pad})"
+
+    def _row(self, n, index) -> str:
+        """`ptr, offset, mask, step` of rows of captured tensor n: the leading indices ``index``,
+        the last dimension stepped through by _row_dot (templates/header.py.jinja)."""
+        cap = f"cap{n}"
+        offsets = [f"{self._print(i)} * {cap}_stride{d}" if i.is_Integer else
+                   f"({self._print(i)}).to(tl.int64) * {cap}_stride{d}" for d, i in enumerate(index)]
+        mask = "None" if self.in_range(n) else self.as_bool(
+            " & ".join(f"({self._print(i)} >= 0) & ({self._print(i)} < {cap}_size{d})" for d, i in enumerate(index)))
+        return f"{cap}_ptr, {' + '.join(offsets)}, {mask}, {cap}_stride{len(index)}"
+
     def in_range(self, n: int) -> bool:
         """Whether every index of captured tensor ``n`` stays inside it (checked on the host):
         its loads need no bounds mask."""
@@ -378,15 +394,20 @@ def _position_sum(e) -> bool:
     return True
 
 
-def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False, lang: str = "tl") -> ModCode:
+def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False, lang: str = "tl",
+         row_dots: bool = False) -> ModCode:
     """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
     Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a
     temporary ``cap<n>_<k>``; maximal subexpressions that do not read ``loop_symbols`` (kv_idx
-    in the forward) or the score are hoisted before the tile loop (``inv<k>``)."""
+    in the forward) or the score are hoisted before the tile loop (``inv<k>``). With
+    ``row_dots``, dot products of a row per query and a row per key become one tile product
+    each (``rd<k>``, see find_row_dots)."""
     printer = TritonPrinter(captures, interpreter, lang)
     labels = [label for label, _ in outputs]
     outputs = [e for _, e in outputs]
+    if row_dots:
+        outputs = [find_row_dots(e, captures) for e in outputs]
     temps, reduced = sp.cse(outputs, symbols=sp.numbered_symbols("t"), order="none") if outputs else ([], [])
     # cse's temporaries know nothing of their values; give each the type of what it stands for,
     # so the printer still knows integer from float through them (floor division, casts).
@@ -420,7 +441,9 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
             e = e.func(*args)
         if isinstance(e, AppliedUndef) and e.func.__name__.startswith("cap"):
             return name(f"{e.func.__name__}_", e, invariant)  # never the user's name (see TEMP_NAMES)
-        if invariant and not parent_invariant and sp.count_ops(e) > 1 and not isinstance(e, ExprCondPair):
+        if isinstance(e, RowDot):
+            return name("rd", e, invariant)
+        if invariant and not parent_invariant and sp.count_ops(e) > 1 and not isinstance(e, (ExprCondPair, sp.Tuple)):
             return name("inv", e, True)
         return e
 
@@ -431,3 +454,73 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
         if not invariant and isinstance(sym, sp.Symbol):
             varying.add(sym)
     return ModCode(tuple(hoisted), tuple(body), tuple(labels))
+
+
+# --- row products -------------------------------------------------------------------------------
+# torch.dot(a[q_idx], b[kv_idx]) (or a[q_idx] @ b[kv_idx], (a[q_idx] * b[kv_idx]).sum()) reaches
+# the IR as R products a(q_idx, j) * b(kv_idx, j) (attncc.trace_vectors unrolls vector reads),
+# which cost R multiply-adds per score. Per tile they are one matrix product of a [rows, R] tile
+# of a and an [R, columns] tile of b: the tensor cores' work, emitted as _row_dot
+# (templates/header.py.jinja). Only the kernels' text changes: the reference, the derivatives and
+# the gradients of learnable captures keep the products.
+ROW_DOT_MIN = 2  # rows this long or longer become tile products
+
+
+class RowDot(sp.Function):
+    """sum over j < length of cap<na>(*ia, j) * cap<nb>(*ib, j), where ia reads q_idx and not
+    kv_idx and ib the other way round. Arguments: na, nb, length, Tuple(ia), Tuple(ib)."""
+    is_real = True
+
+    def side(self, k: int):
+        return int(self.args[k]), tuple(self.args[3 + k])
+
+    @property
+    def length(self) -> int:
+        return int(self.args[2])
+
+
+def _row_factor(f, captures):
+    """(capture number, leading index, j) of a load cap<n>(..., j) of a float capture, else None."""
+    if not (isinstance(f, AppliedUndef) and f.func.__name__.startswith("cap") and f.args and f.args[-1].is_Integer):
+        return None
+    n = int(f.func.__name__[3:])
+    return (n, tuple(f.args[:-1]), int(f.args[-1])) if captures[n][1] == "float" else None
+
+
+def _side(index) -> str | None:
+    """'q' for an index that reads q_idx and not kv_idx, 'kv' for the other way round."""
+    free = set().union(*(sp.sympify(i).free_symbols for i in index)) if index else set()
+    if S.SCORE in free:
+        return None
+    if S.Q in free and S.KV not in free:
+        return "q"
+    if S.KV in free and S.Q not in free:
+        return "kv"
+    return None
+
+
+def find_row_dots(expr, captures):
+    """``expr`` with every complete sum of products c * a(ia, j) * b(ib, j), j = 0 .. R - 1
+    (R >= ROW_DOT_MIN, ia a query's row, ib a key's), replaced by c * RowDot(...)."""
+    def rewrite(add):
+        groups, rest = {}, []
+        for term in add.args:
+            coeff, product = term.as_coeff_Mul()  # a number (0.3) and the product it scales
+            factors = product.args if product.is_Mul else (product,)
+            parsed = [_row_factor(f, captures) for f in factors] if len(factors) == 2 else [None]
+            if None in parsed or parsed[0][2] != parsed[1][2]:
+                rest.append(term)
+                continue
+            sides = [_side(p[1]) for p in parsed]
+            if sorted(map(str, sides)) != ["kv", "q"]:
+                rest.append(term)
+                continue
+            a, b = parsed if sides[0] == "q" else parsed[::-1]
+            groups.setdefault((coeff, a[:2], b[:2]), {})[a[2]] = term
+        for (coeff, (na, ia), (nb, ib)), terms in groups.items():
+            if len(terms) >= ROW_DOT_MIN and sorted(terms) == list(range(len(terms))):
+                rest.append(coeff * RowDot(na, nb, len(terms), sp.Tuple(*ia), sp.Tuple(*ib)))
+            else:
+                rest.extend(terms.values())
+        return sp.Add(*rest)
+    return expr.replace(lambda e: isinstance(e, sp.Add), rewrite)

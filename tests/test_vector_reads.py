@@ -89,3 +89,67 @@ def test_unsupported_on_a_vector(op):
             "python_sum": lambda s, b, h, q, k: s + sum(rows[q])}
     with pytest.raises(attncc.AttnccError, match=r"<lambda>.*test_vector_reads.py:\d+.*(supported on a vector|reduce it)"):
         attncc.Variant(mods[op])
+
+
+# --- row products: a query's row dotted with a key's row becomes one tile product --------------
+# (attncc.printer.find_row_dots; _row_dot in templates/header.py.jinja). R2 is neither a power of
+# two nor 16, so the padding to 16 columns is exercised; the tensors are rows per head and position.
+R2 = 12
+_QR, _KR = torch.randn(H, 40, R2), torch.randn(H, 40, R2)
+_QB, _KB = _QR.to(torch.bfloat16), _KR.to(torch.bfloat16)
+ROW_DOTS = {  # name -> (score_mod, whether the kernels take the tile product)
+    "dot": (lambda s, b, h, q, k: s + 0.3 * torch.dot(_QR[h, q], _KR[h, k]), True),
+    "matmul_keys_first": (lambda s, b, h, q, k: s - _KR[h, k] @ _QR[h, q] / 4, True),
+    "product_sum_bf16": (lambda s, b, h, q, k: s + 0.3 * (_QB[h, q] * _KB[h, k]).sum(), True),
+    "mixed_dtypes": (lambda s, b, h, q, k: s + 0.3 * torch.dot(_QB[h, q], _KR[h, k]), True),
+    "shifted_rows": (lambda s, b, h, q, k: s + 0.3 * torch.dot(_QR[h, q + 3], _KR[h, (k * 2) % 40]), True),
+    "two_terms": (lambda s, b, h, q, k: torch.tanh(torch.dot(_QR[h, q], _KR[h, k]) / 8) * 8 + s
+                  + 0.1 * torch.dot(_KR[h, q], _QR[h, k]), True),
+    "both_rows_per_query": (lambda s, b, h, q, k: s + 0.3 * torch.dot(_QR[h, q], _KR[h, q]), False),
+    "first_two_elements": (lambda s, b, h, q, k: s + _QR[h, q][0] * _KR[h, k][0] + _QR[h, q][1] * _KR[h, k][1], True),
+    "gapped_elements": (lambda s, b, h, q, k: s + _QR[h, q][0] * _KR[h, k][0] + _QR[h, q][2] * _KR[h, k][2], False),
+}
+
+
+def _kernel_texts(score_mod):
+    from attncc import codegen, plan
+    from attncc.spec import Spec
+    variant = attncc.Variant(score_mod)
+    return [codegen.render(plan.build(kind, variant.analysis, Spec("float32", D, D, 1, "interpreter"),
+                                      variant.captures)) for kind in ("fwd", "bwd", "kv")]
+
+
+@pytest.mark.parametrize("name", ROW_DOTS)
+def test_row_products_become_tile_products(name):
+    """The kernels compute a query row . key row as _row_dot where the pattern holds (and not
+    otherwise), and the results, forward, lse and gradients, match the float64 reference at odd
+    lengths, with Lq != Lkv and GQA."""
+    score_mod, tiled = ROW_DOTS[name]
+    assert all(("_row_dot(" in text) == tiled for text in _kernel_texts(score_mod))
+    torch.manual_seed(2)
+    for hq, hkv, lq, lkv in ((H, H, 17, 17), (H, 1, 1, 33), (H, H, 37, 21)):
+        q, k, v = randn_qkv(B, hq, hkv, lq, lkv, D)
+        check(q, k, v, score_mod, enable_gqa=hq != hkv)
+    check_grads(B, H, 1, 23, 30, D, D, score_mod=score_mod, use_lse=True)
+
+
+def test_row_products_of_learnable_rows():
+    """Learnable rows: the forward takes the tile product, their gradients the per-element
+    derivatives (the products stay in the IR)."""
+    q_rope, k_rope = _learnable(L, R2, seed=6), _learnable(L, R2, seed=7)
+    score_mod = lambda s, b, h, q_idx, kv_idx: s + torch.dot(q_rope[q_idx], k_rope[kv_idx])  # noqa: E731
+    assert "_row_dot(" in _kernel_texts(score_mod)[0]
+    _forward_and_grads(score_mod, caps=(q_rope, k_rope))
+
+
+def test_row_products_in_the_decode_kernel():
+    """Few queries (rows shorter than 16): _row_dot falls back to R multiply-adds per score."""
+    from attncc import inference
+    score_mod = ROW_DOTS["dot"][0]
+    torch.manual_seed(3)
+    q, k, v = torch.randn(B, H, 2, D), torch.randn(B, 1, 40, D), torch.randn(B, 1, 40, D)
+    out, lse = inference.decode(attncc.compile(attncc.Variant(score_mod)), q, k, v, enable_gqa=True,
+                                return_lse=True)
+    ref, ref_lse = attncc.reference.attention(q.double(), k.double(), v.double(), score_mod, enable_gqa=True,
+                                              return_lse=True)
+    assert (out.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
