@@ -63,6 +63,16 @@ def _libdevice_ops(variant) -> list:
     return sorted({n.op for r in roots for n in ir.walk(r) if n.op in LIBDEVICE_OPS})
 
 
+def _row_products(variant) -> bool:
+    """Whether a mod dots a query's row with a key's row (attncc.printer.find_row_dots): the
+    Triton tier makes that one tile product, the Gluon templates would take R products per score."""
+    import sympy as sp
+    from .printer import RowDot, find_row_dots
+    a = variant.analysis
+    caps = tuple((nd, kind, False) for nd, kind in a.captures)
+    return any(find_row_dots(e, caps).has(RowDot) for e in (a.score, a.mask) if isinstance(e, sp.Basic))
+
+
 _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
 
 
@@ -112,6 +122,8 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
     ops = _libdevice_ops(variant)
     if ops:
         return f"the mods use {', '.join(ops)}, which the Triton tier computes with libdevice"
+    if _row_products(variant):
+        return "a mod dots a query's row with a key's row, which the Triton tier computes as one tile product"
     return None
 
 

@@ -48,6 +48,10 @@ def test_tier_choice(monkeypatch):
     tier, reason = tiers.choose(attncc.Variant(lambda s, b, h, q, k: s + torch.atan(s)), "cuda-sm90", "bfloat16",
                                 128, 128, False)
     assert tier == "triton" and "atan" in reason
+    rows = torch.randn(1000, 16)
+    tier, reason = tiers.choose(attncc.Variant(lambda s, b, h, q, k: s + torch.dot(rows[q], rows[k])), "cuda-sm90",
+                                "bfloat16", 128, 128, False)
+    assert tier == "triton" and "tile product" in reason
     q = torch.zeros(1, 2, 8, 256, dtype=torch.bfloat16)[..., ::2]  # head-dim stride 2: no TMA box
     tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, (q, q, q))
     assert tier == "triton" and "TMA" in reason
