@@ -371,6 +371,20 @@ def _rope_dot(n, device):
     return Case(rope_dot, None, Lq, Lkv, (theta,))
 
 
+def _decoupled_rope_rows(n, device):
+    """MLA's decoupled RoPE term: a query row per head and position dotted with a key row per
+    position (rows of 16, float32: torch's eager flex_attention rounds a dot of bf16 rows to
+    bf16): the kernels' tile product (attncc.printer.find_row_dots), tf32x3 on a GPU."""
+    Lq, Lkv = 40 * n, 56 * n
+    g = torch.Generator(device=device).manual_seed(8)
+    q_rows = 0.3 * torch.randn(H, Lq, 16, generator=g, device=device)
+    k_rows = 0.3 * torch.randn(Lkv, 16, generator=g, device=device)
+
+    def decoupled_rope_rows(score, b, h, q_idx, kv_idx):
+        return score + torch.dot(q_rows[h, q_idx], k_rows[kv_idx])
+    return Case(decoupled_rope_rows, causal, Lq, Lkv)
+
+
 def _learned_distance(n, device):
     far = 16
     table = (0.3 * torch.randn(H, far + 1, generator=torch.Generator(device=device).manual_seed(4),
@@ -417,7 +431,8 @@ BUILDERS = {
     "combinators": lambda n, dev: Case(None, and_masks(or_masks(prefix(5 * n), causal), window(16 * n)), 40 * n, 56 * n),
     "natten_2d": _grid_natten_2d, "natten_3d": _grid_natten_3d, "morton": _morton, "flamingo": _flamingo,
     "dilated": _dilated, "sta": _sta, "alibi_exp2": _alibi_exp2, "softcap": _softcap, "trig": _trig,
-    "silu": _silu, "rope_dot": _rope_dot, "learned_distance": _learned_distance,
+    "silu": _silu, "rope_dot": _rope_dot, "decoupled_rope_rows": _decoupled_rope_rows,
+    "learned_distance": _learned_distance,
     "scalar_temperature": _scalar_temperature, "bias_4d": _bias_4d, "document": _document,
 }
 

@@ -161,3 +161,32 @@ def test_inside_torch_compile_fullgraph_gpu(name):
     attncc.flex_attention(q, k, v, case.score_mod, bm).float().sum().backward()
     for g, t in zip(got, (q, k, v)):
         assert _rel(g, t.grad) < GRAD_TOL[torch.bfloat16], _rel(g, t.grad)
+
+
+@pytest.mark.parametrize("rows", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("r", [4, 40])
+def test_row_products_gpu(rows, r):
+    """A query's row dotted with a key's row (MLA's decoupled RoPE term) runs as a tile product
+    (_row_dot) in the forward and both backward kernels, and as r products in the decode kernel:
+    forward, lse and gradients against the float64 reference, GQA, Lq != Lkv, odd lengths."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    q_rows = (0.3 * torch.randn(4, 333, r, generator=g, device=DEV)).to(rows)
+    k_rows = (0.3 * torch.randn(1000, r, generator=g, device=DEV)).to(rows)
+    score_mod = lambda s, b, h, q_idx, kv_idx: s + torch.dot(q_rows[h, q_idx], k_rows[kv_idx])  # noqa: E731
+    mask_mod = lambda b, h, q_idx, kv_idx: q_idx + 700 >= kv_idx  # noqa: E731
+    q = torch.randn(2, 4, 333, D, generator=g, device=DEV).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(2, 2, 1000, D, generator=g, device=DEV).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    out, lse = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True)
+    ref, ref_lse = reference(q.detach(), k.detach(), v.detach(), score_mod, mask_mod, enable_gqa=True)
+    assert_close_to_reference(out, lse, ref, ref_lse, torch.bfloat16)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(attncc.reference.attention(qd, kd, vd, score_mod, mask_mod, enable_gqa=True),
+                               (qd, kd, vd), do.double())
+    for i, (a, w) in enumerate(zip(got, want)):
+        assert torch.isfinite(a).all() and _rel(a, w) < GRAD_TOL[torch.bfloat16], (i, _rel(a, w))
+    with torch.no_grad():  # decoding: two queries at the end of the keys
+        out, lse = attncc.attention(q[:, :, -2:], k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True)
+        ref, ref_lse = reference(q[:, :, -2:].detach(), k.detach(), v.detach(), score_mod, mask_mod, enable_gqa=True)
+    assert_close_to_reference(out, lse, ref, ref_lse, torch.bfloat16)
