@@ -136,7 +136,7 @@ class KernelPlan:
     mods: dict            # kernel function name -> printer.ModCode
     bounds: dict          # kernel function name -> TileRange of its inner loop
     grads: tuple = ()     # CapGrad per learnable load site (bwd)
-    row_dots: bool = False  # the mods call _row_dot (printer.find_row_dots): the header defines it
+    row_dots: bool = False  # the mods call _row_dot (attncc.passes.rowdots): the header defines it
     # score_mod = score + bias: the mods compute bias * log2(e) ("bias") and the kernels take
     # s = q.k * (scale * log2(e)) + bias, one FMA per score for the scale, the bias and the change
     # to log2 units (backward and decode kernels, see build)

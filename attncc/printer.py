@@ -22,6 +22,7 @@ from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.printing.str import StrPrinter
 
 from .passes import symbolic as S
+from .passes.rowdots import RowDot, find_row_dots
 
 # The temporaries ``emit`` assigns besides the outputs' labels (which the templates read): cse
 # temporaries, hoisted invariants, capture loads, row products, float twins of the positions. None comes from
@@ -402,7 +403,7 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
     temporary ``cap<n>_<k>``; maximal subexpressions that do not read ``loop_symbols`` (kv_idx
     in the forward) or the score are hoisted before the tile loop (``inv<k>``). With
     ``row_dots``, dot products of a row per query and a row per key become one tile product
-    each (``rd<k>``, see find_row_dots)."""
+    each (``rd<k>``, attncc.passes.rowdots)."""
     printer = TritonPrinter(captures, interpreter, lang)
     labels = [label for label, _ in outputs]
     outputs = [e for _, e in outputs]
@@ -455,72 +456,3 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
             varying.add(sym)
     return ModCode(tuple(hoisted), tuple(body), tuple(labels))
 
-
-# --- row products -------------------------------------------------------------------------------
-# torch.dot(a[q_idx], b[kv_idx]) (or a[q_idx] @ b[kv_idx], (a[q_idx] * b[kv_idx]).sum()) reaches
-# the IR as R products a(q_idx, j) * b(kv_idx, j) (attncc.trace_vectors unrolls vector reads),
-# which cost R multiply-adds per score. Per tile they are one matrix product of a [rows, R] tile
-# of a and an [R, columns] tile of b: the tensor cores' work, emitted as _row_dot
-# (templates/header.py.jinja). Only the kernels' text changes: the reference, the derivatives and
-# the gradients of learnable captures keep the products.
-ROW_DOT_MIN = 2  # rows this long or longer become tile products
-
-
-class RowDot(sp.Function):
-    """sum over j < length of cap<na>(*ia, j) * cap<nb>(*ib, j), where ia reads q_idx and not
-    kv_idx and ib the other way round. Arguments: na, nb, length, Tuple(ia), Tuple(ib)."""
-    is_real = True
-
-    def side(self, k: int):
-        return int(self.args[k]), tuple(self.args[3 + k])
-
-    @property
-    def length(self) -> int:
-        return int(self.args[2])
-
-
-def _row_factor(f, captures):
-    """(capture number, leading index, j) of a load cap<n>(..., j) of a float capture, else None."""
-    if not (isinstance(f, AppliedUndef) and f.func.__name__.startswith("cap") and f.args and f.args[-1].is_Integer):
-        return None
-    n = int(f.func.__name__[3:])
-    return (n, tuple(f.args[:-1]), int(f.args[-1])) if captures[n][1] == "float" else None
-
-
-def _side(index) -> str | None:
-    """'q' for an index that reads q_idx and not kv_idx, 'kv' for the other way round."""
-    free = set().union(*(sp.sympify(i).free_symbols for i in index)) if index else set()
-    if S.SCORE in free:
-        return None
-    if S.Q in free and S.KV not in free:
-        return "q"
-    if S.KV in free and S.Q not in free:
-        return "kv"
-    return None
-
-
-def find_row_dots(expr, captures):
-    """``expr`` with every complete sum of products c * a(ia, j) * b(ib, j), j = 0 .. R - 1
-    (R >= ROW_DOT_MIN, ia a query's row, ib a key's), replaced by c * RowDot(...)."""
-    def rewrite(add):
-        groups, rest = {}, []
-        for term in add.args:
-            coeff, product = term.as_coeff_Mul()  # a number (0.3) and the product it scales
-            factors = product.args if product.is_Mul else (product,)
-            parsed = [_row_factor(f, captures) for f in factors] if len(factors) == 2 else [None]
-            if None in parsed or parsed[0][2] != parsed[1][2]:
-                rest.append(term)
-                continue
-            sides = [_side(p[1]) for p in parsed]
-            if sorted(map(str, sides)) != ["kv", "q"]:
-                rest.append(term)
-                continue
-            a, b = parsed if sides[0] == "q" else parsed[::-1]
-            groups.setdefault((coeff, a[:2], b[:2]), {})[a[2]] = term
-        for (coeff, (na, ia), (nb, ib)), terms in groups.items():
-            if len(terms) >= ROW_DOT_MIN and sorted(terms) == list(range(len(terms))):
-                rest.append(coeff * RowDot(na, nb, len(terms), sp.Tuple(*ia), sp.Tuple(*ib)))
-            else:
-                rest.extend(terms.values())
-        return sp.Add(*rest)
-    return expr.replace(lambda e: isinstance(e, sp.Add), rewrite)

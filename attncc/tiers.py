@@ -64,10 +64,10 @@ def _libdevice_ops(variant) -> list:
 
 
 def _row_products(variant) -> bool:
-    """Whether a mod dots a query's row with a key's row (attncc.printer.find_row_dots): the
-    Triton tier makes that one tile product, the Gluon templates would take R products per score."""
+    """Whether a mod dots a query's row with a key's row (attncc.passes.rowdots): the Triton tier
+    makes that one tile product, the Gluon templates would take R products per score."""
     import sympy as sp
-    from .printer import RowDot, find_row_dots
+    from .passes.rowdots import RowDot, find_row_dots
     a = variant.analysis
     caps = tuple((nd, kind, False) for nd, kind in a.captures)
     return any(find_row_dots(e, caps).has(RowDot) for e in (a.score, a.mask) if isinstance(e, sp.Basic))

@@ -4,7 +4,7 @@ learned distance `(a[q_idx] - b[kv_idx]).pow(2).sum(-1).sqrt()`, at several row 
 plain causal attention in the same run: nanoseconds per unmasked score added, forward and
 forward+backward, bf16, do_bench medians. Every case runs on the Triton tier (ATTNCC_TIER=triton
 unless --tier says otherwise), so that the baseline differs from the others only in the mod. A dot
-of a query's row with a key's row is one tile product per tile (attncc.printer.find_row_dots);
+of a query's row with a key's row is one tile product per tile (attncc.passes.rowdots);
 --unrolled keeps the R products per score instead, for the comparison (run it as a second process).
 
     python benchmarks/vector_reads.py [--shape BxHxNxD] [--unrolled] [--tier auto]
@@ -23,8 +23,8 @@ def main():
     args = p.parse_args()
     os.environ["ATTNCC_TIER"] = args.tier
     if args.unrolled:
-        from attncc import printer
-        printer.ROW_DOT_MIN = 1 << 30
+        from attncc.passes import rowdots
+        rowdots.ROW_DOT_MIN = 1 << 30
     B, H, N, D = (int(x) for x in args.shape.split("x"))
     import attncc
     from triton.testing import do_bench

@@ -374,7 +374,7 @@ def _rope_dot(n, device):
 def _decoupled_rope_rows(n, device):
     """MLA's decoupled RoPE term: a query row per head and position dotted with a key row per
     position (rows of 16, float32: torch's eager flex_attention rounds a dot of bf16 rows to
-    bf16): the kernels' tile product (attncc.printer.find_row_dots), tf32x3 on a GPU."""
+    bf16): the kernels' tile product (attncc.passes.rowdots), tf32x3 on a GPU."""
     Lq, Lkv = 40 * n, 56 * n
     g = torch.Generator(device=device).manual_seed(8)
     q_rows = 0.3 * torch.randn(H, Lq, 16, generator=g, device=device)

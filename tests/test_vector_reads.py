@@ -92,7 +92,7 @@ def test_unsupported_on_a_vector(op):
 
 
 # --- row products: a query's row dotted with a key's row becomes one tile product --------------
-# (attncc.printer.find_row_dots; _row_dot in templates/header.py.jinja). R2 is neither a power of
+# (attncc.passes.rowdots; _row_dot in templates/header.py.jinja). R2 is neither a power of
 # two nor 16, so the padding to 16 columns is exercised; the tensors are rows per head and position.
 R2 = 12
 _QR, _KR = torch.randn(H, 40, R2), torch.randn(H, 40, R2)
