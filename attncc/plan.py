@@ -212,7 +212,7 @@ def _offset_and_bounds(index, capture, printer_, at_positions=True):
     positions and stays inside the tensor there (``printer.in_range``). The diagonal sums add at
     points (q_diag, kv_first) off the tile, which keep their checks."""
     offset = " + ".join((f"{printer_.doprint(i)} * dcap{capture}_stride{d}" if i.is_Integer else
-                         f"({printer_.doprint(i)}).to(tl.int64) * dcap{capture}_stride{d}")
+                         f"({printer_.doprint(i)}).to({printer_.lang}.int64) * dcap{capture}_stride{d}")
                         for d, i in enumerate(index)) or "0"  # a constant index as printer._load has it
     bounds = [] if at_positions and printer_.in_range(capture) else [
         f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{capture}_size{d})" for d, i in enumerate(index)]
@@ -280,7 +280,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         if not dscore_one:
             outputs.append(("dscore", printer.float_positions(derived.dscore)))
         outputs += [(f"dcap{j}", printer.float_positions(g.derivative)) for j, g in enumerate(derived.loads)]
-        grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp)) for j, g in enumerate(derived.loads))
+        grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp, lang)) for j, g in enumerate(derived.loads))
         # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by TMA reduce-add)
         fns = {"attn_bwd_dkdv": {Q}} if gluon else {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
     mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang, row_dots=not gluon) for fn, loop in fns.items() if loop}

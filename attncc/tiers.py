@@ -73,6 +73,14 @@ def _row_products(variant) -> bool:
     return any(find_row_dots(e, caps).has(RowDot) for e in (a.score, a.mask) if isinstance(e, sp.Basic))
 
 
+def _indexed_by_both_positions(variant, learnable) -> bool:
+    from .passes import derive
+    from .passes.symbolic import KV, Q
+    score = variant.analysis.score
+    sites = [site for c in learnable for site in derive.load_sites(score, c)] if score is not None else []
+    return any({Q, KV} <= set().union(*(i.free_symbols for i in site.args)) for site in sites if site.args)
+
+
 _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
 
 
@@ -140,8 +148,12 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
         return "triton", f"the Gluon tier is built for sm90 (Hopper); this target is {fwd_spec.target}"
     d = fwd_spec.head_dim
     why_not = _unfit(variant, fwd_spec.dtype, d, fwd_spec.head_dim_v, fwd_spec.dropout)
-    if why_not is None and learnable:
-        why_not = "learnable captured tensors: their gradients are the Triton tier's"
+    if why_not is None and learnable and _indexed_by_both_positions(variant, learnable):
+        why_not = ("a learnable captured tensor indexed by both q_idx and kv_idx: the Triton tier sums its "
+                   "gradient per diagonal of a tile, the Gluon backward would add per score")
+    if why_not is None and learnable and want != "gluon":
+        why_not = ("learnable captured tensors: the Gluon backward's atomic gradients for them await their "
+                   "GPU check (ATTNCC_TIER=gluon takes them)")
     if why_not is None and deterministic:
         why_not = "deterministic: the Gluon backward adds dQ in any order (TMA reduce-add), the Triton tier's does not"
     if why_not is None and fwd_spec.group > 1 and "h" in variant.analysis.facts.mask_reads:

@@ -23,6 +23,10 @@ GLUON_VARIANTS = [n for n in NAMES if n != "document"]
 
 
 def _variant(name, H=4, L=1000):
+    if name == "row_biases":  # learnable: a bias per (head, query) and a gated bias per key
+        qb, kb = torch.randn(H, L), torch.randn(L)
+        return attncc.Variant(lambda s, b, h, q, k: s + torch.tanh(s) * (qb[h, q] + kb[k]),
+                              BUILDERS["causal"](2, H, L, L, "cpu")[1])
     if name == "trig":
         return attncc.Variant(lambda s, b, h, q, k: s + torch.sin(s) * torch.cos(0.5 * s)
                               + torch.sigmoid(s), BUILDERS["causal"](2, H, L, L, "cpu")[1])
@@ -144,6 +148,8 @@ caps = []
 for shape in shapes:
     c = torch.zeros(shape)
     caps += [c] + [x for dim in range(c.dim()) for x in (c.shape[dim], c.stride(dim))]
+    if kind == "bwd-learn":  # every capture learnable: its float32 gradient and strides follow it
+        caps += [torch.zeros(shape)] + list(c.stride())
 target = GPUTarget("cuda", 90, 128)
 backend = make_backend(target)
 
@@ -182,13 +188,15 @@ CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] 
     ("fwd", "causal", 128, 4, "float16"), ("fwd", "alibi", 64, 2, "bfloat16"), ("fwd", "full", 64, 1, "float16")] + [
     ("bwd", name, 128, 1, "bfloat16") for name in ("full", "causal", "alibi", "softcap", "rel_bias", TRIG)] + [
     ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
-    ("bwd-nofold", "causal", 128, 1, "bfloat16")]  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
+    ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
+    ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16")]  # dcap atomics
 
 
 @pytest.mark.parametrize("kind,name,d,group,dtype", CASES, ids=[f"{k}-{n}-d{d}-g{g}-{t}" for k, n, d, g, t in CASES])
 def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tmp_path):
     variant = _variant(name, H=2 * group)
-    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon")
+    learnable = tuple(range(len(variant.captures))) if kind == "bwd-learn" else ()
+    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon", learnable=learnable)
     source = codegen.render(plan.build(kind.split("-")[0], variant.analysis, spec, variant.captures))
     path = tmp_path / f"{kind}_{name}.py"
     path.write_text(source)

@@ -223,16 +223,57 @@ def test_gluon_backward_scales_the_lse_start_cannot_take(scale, monkeypatch):
 
 
 def test_gluon_backward_tier_choice(monkeypatch):
-    """Learnable captures and deterministic mode keep the Triton tier's backward."""
-    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    """Learnable captures keep the Triton tier's backward unless ATTNCC_TIER=gluon asks for the
+    Gluon one (its atomic capture gradients are new), and always where a learnable capture is
+    indexed by both positions; deterministic mode keeps it too."""
     torch.manual_seed(6)
     slopes = torch.rand(4, device="cuda", requires_grad=True)
+    table = torch.randn(4, 599, device="cuda", requires_grad=True)
     q, k, v = (torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)  # noqa: E731
+    relative = lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + 299]  # noqa: E731
+    for tier, mod, kwargs, want in (("auto", alibi, {}, "triton"), ("gluon", alibi, {}, "gluon"),
+                                    ("gluon", relative, {}, "triton"), ("gluon", alibi, {"deterministic": True}, "triton")):
+        monkeypatch.setenv("ATTNCC_TIER", tier)
+        attncc.api._loaded.clear()
+        attncc.attention(q, k, v, mod, **kwargs).sum().backward()
+        assert _bwd_modules(want) and not _bwd_modules({"triton": "gluon", "gluon": "triton"}[want]), (tier, want)
+    assert torch.isfinite(slopes.grad).all() and torch.isfinite(table.grad).all()
+
+
+LEARNABLE = {  # name -> builder of (score_mod, mask_mod, learnable tensors) for H query heads, length L
+    "alibi_slopes": lambda H, L: (lambda t: (lambda s, b, h, q, k: s + t[h] * (k - q), lambda b, h, q, k: q >= k, (t,)))(
+        torch.rand(H, device="cuda", requires_grad=True)),
+    # gated, so that the per-query term has a gradient (a bias constant along a softmax row has none)
+    "row_biases": lambda H, L: (lambda qb, kb: (lambda s, b, h, q, k: s + torch.tanh(s / 4) * (qb[h, q] + kb[k]), None,
+                                               (qb, kb)))(
+        torch.randn(H, L, device="cuda", requires_grad=True), torch.randn(L, device="cuda", requires_grad=True)),
+}
+
+
+@pytest.mark.parametrize("name", LEARNABLE)
+@pytest.mark.parametrize("shape", ["2x3x17", "gqa8:2-1000", "D64-Lq300-Lkv1500"])
+def test_gluon_backward_learnable_captures(name, shape, monkeypatch):
+    """ATTNCC_TIER=gluon: gradients of learnable captures read by (h), (h, q_idx) and (kv_idx), summed
+    over the tile axes their index does not read and added atomically by both consumer warp groups,
+    with dq, dk, dv, against float64 autograd."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    B, Hq, Hkv, Lq, Lkv, D = BWD_SHAPES[shape]
+    torch.manual_seed(zlib.crc32(f"learn-{name}-{shape}".encode()))
+    score_mod, mask_mod, caps = LEARNABLE[name](Hq, max(Lq, Lkv))
+    q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     attncc.api._loaded.clear()
-    out = attncc.attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx))
-    out.sum().backward()
-    assert _bwd_modules("triton") and not _bwd_modules("gluon")
-    assert slopes.grad is not None and torch.isfinite(slopes.grad).all()
+    out = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, *caps), do)
+    assert _bwd_modules("gluon") and not _bwd_modules("triton")
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = attncc.reference.attention(qd, kd, vd, score_mod, mask_mod, enable_gqa=Hq != Hkv)
+    want = torch.autograd.grad(ref, (qd, kd, vd, *caps), do.double())
+    for i, (g, w) in enumerate(zip(got, want)):
+        err = ((g.double() - w.double()).norm() / w.double().norm()).item()
+        assert torch.isfinite(g).all() and err < BWD_TOL[torch.bfloat16], (i, err)
 
 
 @pytest.mark.parametrize("name,D,Hkv", [("causal", 128, 2), ("prefix_lm", 128, 2), ("softcap", 64, 1)])
