@@ -179,6 +179,7 @@ else:
                                                   *out.stride(), *out.stride(), H, Lq],
                      dict(HEAD_DIM=d, BLOCK_M=64, HAS_DLSE=True, num_warps=4))
 assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
+print("atomics", compiled.asm["ptx"].count("atom.global"))
 print("compiled", compiled.metadata.shared)
 """
 
@@ -211,6 +212,10 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     result = subprocess.run([sys.executable, "-c", COMPILE, str(path), str(d), str(group), dtype, json.dumps(shapes), kind],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    if kind == "bwd-learn":  # one atomic instruction per gradient, loop (masked, whole) and consumer: a
+        # value the layout holds twice per thread would be added twice
+        grads = plan.build("bwd", variant.analysis, spec, variant.captures).grads
+        assert f"atomics {4 * len(grads)}" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("d,lq", [(128, 128), (128, 100), (64, 17), (64, 256), (64, 300)])
