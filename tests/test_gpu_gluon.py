@@ -227,11 +227,12 @@ def test_gluon_backward_tier_choice(monkeypatch):
     Gluon one (its atomic capture gradients are new), and always where a learnable capture is
     indexed by both positions; deterministic mode keeps it too."""
     torch.manual_seed(6)
+    L = 4099  # past tiers.GLUON_BWD_PAYS: under auto only the learnable capture keeps the Triton tier
     slopes = torch.rand(4, device="cuda", requires_grad=True)
-    table = torch.randn(4, 599, device="cuda", requires_grad=True)
-    q, k, v = (torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    table = torch.randn(4, 2 * L - 1, device="cuda", requires_grad=True)
+    q, k, v = (torch.randn(1, 4, L, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)  # noqa: E731
-    relative = lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + 299]  # noqa: E731
+    relative = lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L - 1]  # noqa: E731
     for tier, mod, kwargs, want in (("auto", alibi, {}, "triton"), ("gluon", alibi, {}, "gluon"),
                                     ("gluon", relative, {}, "triton"), ("gluon", alibi, {"deterministic": True}, "triton")):
         monkeypatch.setenv("ATTNCC_TIER", tier)
