@@ -283,7 +283,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp, lang)) for j, g in enumerate(derived.loads))
         # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by TMA reduce-add)
         fns = {"attn_bwd_dkdv": {Q}} if gluon else {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
-    mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang, row_dots=not gluon) for fn, loop in fns.items() if loop}
+    tile_rows = not gluon and (interp or sm(spec.target) >= 80)  # row products as tl.dot: bf16 and tf32 want sm80+
+    mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang, tile_rows) for fn, loop in fns.items() if loop}
     row_dots = any("_row_dot(" in text for m in mods.values() for _, text in m.hoisted + m.body)
     tp = printer.TritonPrinter(cap_info, interp, lang)
     mask = analysis.mask

@@ -153,3 +153,13 @@ def test_row_products_in_the_decode_kernel():
     ref, ref_lse = attncc.reference.attention(q.double(), k.double(), v.double(), score_mod, enable_gqa=True,
                                               return_lse=True)
     assert (out.double() - ref).abs().max() < 1e-4 and (lse.double() - ref_lse).abs().max() < 1e-4
+
+
+def test_row_products_stay_products_before_sm80():
+    """tl.dot of bf16 rows and tf32x3 want sm80 or later: older targets keep the R products."""
+    from attncc import codegen, plan
+    from attncc.spec import Spec
+    variant = attncc.Variant(ROW_DOTS["dot"][0])
+    for target, tiled in (("cuda-sm75", False), ("cuda-sm80", True)):
+        text = codegen.render(plan.build("fwd", variant.analysis, Spec("float16", D, D, 1, target), variant.captures))
+        assert ("_row_dot(" in text) == tiled, target
