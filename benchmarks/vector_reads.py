@@ -22,7 +22,9 @@ def main():
     p.add_argument("--tier", default="triton", help="ATTNCC_TIER for every case")
     args = p.parse_args()
     os.environ["ATTNCC_TIER"] = args.tier
-    if args.unrolled:
+    if args.unrolled:  # kernel files are cached by variant and spec, not by text: a cache of their own
+        import tempfile
+        os.environ["ATTNCC_CACHE_DIR"] = tempfile.mkdtemp(prefix="attncc-unrolled-")
         from attncc.passes import rowdots
         rowdots.ROW_DOT_MIN = 1 << 30
     B, H, N, D = (int(x) for x in args.shape.split("x"))
