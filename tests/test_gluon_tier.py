@@ -23,7 +23,7 @@ GLUON_VARIANTS = [n for n in NAMES if n != "document"]
 
 
 def _variant(name, H=4, L=1000):
-    if name == "row_biases":  # learnable: a bias per (head, query) and a gated bias per key
+    if name == "row_biases":  # learnable: gated biases per (head, query) and per key
         qb, kb = torch.randn(H, L), torch.randn(L)
         return attncc.Variant(lambda s, b, h, q, k: s + torch.tanh(s) * (qb[h, q] + kb[k]),
                               BUILDERS["causal"](2, H, L, L, "cpu")[1])
