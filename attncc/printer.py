@@ -296,37 +296,34 @@ class TritonPrinter(StrPrinter):
     def _row(self, n, index) -> str:
         """`ptr, offset, mask, step` of rows of captured tensor n: the leading indices ``index``,
         the last dimension stepped through by _row_dot (templates/header.py.jinja)."""
-        cap = f"cap{n}"
-        offsets = [f"{self._print(i)} * {cap}_stride{d}" if i.is_Integer else
-                   f"({self._print(i)}).to(tl.int64) * {cap}_stride{d}" for d, i in enumerate(index)]
-        mask = "None" if self.in_range(n) else self.as_bool(
-            " & ".join(f"({self._print(i)} >= 0) & ({self._print(i)} < {cap}_size{d})" for d, i in enumerate(index)))
-        return f"{cap}_ptr, {' + '.join(offsets)}, {mask}, {cap}_stride{len(index)}"
+        offset, bounds = self._address(n, index)
+        mask = "None" if self.in_range(n) else self.as_bool(bounds)
+        return f"cap{n}_ptr, {offset}, {mask}, cap{n}_stride{len(index)}"
 
     def in_range(self, n: int) -> bool:
         """Whether every index of captured tensor ``n`` stays inside it (checked on the host):
         its loads need no bounds mask."""
         return self.captures[n][2]
 
-    def _load(self, n, index):
-        ndim, kind, in_range = self.captures[n]
+    def _address(self, n, index) -> tuple[str, str]:
+        """(element offset, in-bounds condition) of captured tensor n at ``index``."""
         cap = f"cap{n}"
-        convert = ".to(tl.float32)" if kind == "float" else ".to(tl.int32)"
-        if not index:
-            return f"tl.load({cap}_ptr){convert}"
         offsets, bounds = [], []
         for d, i in enumerate(index):
             text = self._print(i)
-            if i.is_Integer:
-                offsets.append(f"{text} * {cap}_stride{d}")
-                bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
-            else:
-                offsets.append(f"({text}).to(tl.int64) * {cap}_stride{d}")
-                bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
+            offsets.append(f"{text} * {cap}_stride{d}" if i.is_Integer else f"({text}).to(tl.int64) * {cap}_stride{d}")
+            bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
+        return " + ".join(offsets), " & ".join(bounds)
+
+    def _load(self, n, index):
+        ndim, kind, in_range = self.captures[n]
+        convert = ".to(tl.float32)" if kind == "float" else ".to(tl.int32)"
+        if not index:
+            return f"tl.load(cap{n}_ptr){convert}"
+        offset, bounds = self._address(n, index)
         if in_range:
-            return f"tl.load({cap}_ptr + {' + '.join(offsets)}){convert}"
-        return (f"tl.load({cap}_ptr + {' + '.join(offsets)}, mask={self.as_bool(' & '.join(bounds))}, other=0)"
-                f"{convert}")
+            return f"tl.load(cap{n}_ptr + {offset}){convert}"
+        return f"tl.load(cap{n}_ptr + {offset}, mask={self.as_bool(bounds)}, other=0){convert}"
 
 
 @dataclass(frozen=True)
