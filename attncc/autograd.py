@@ -127,21 +127,22 @@ def with_fallback(compiled, kernel: str, spec, run, q, k):
         from . import tune
         spec = tune.tuned_spec(compiled, kernel, spec, run, q, k)
     key = (compiled.variant.ir_key, kernel, spec)
-    fitted = _fitted.get(key)
-    if fitted is not None:  # launched before: the tiles fit
-        return run(compiled.module(kernel, fitted))
-    level = 0
+    fitted = _fitted.get(key) or spec  # launched before: the level that fitted then
     while True:
         try:
-            fitted = spec if level == spec.shrink else dataclasses.replace(spec, shrink=level)
             result = run(compiled.module(kernel, fitted))
-            _fitted[key] = fitted
-            return result
         except Exception as e:  # triton.runtime.errors.OutOfResources; triton is imported lazily
-            if type(e).__name__ != "OutOfResources" or level >= 4:
+            # (also at a level that fitted before: a variant of the same structure whose captured
+            # tensors have a wider dtype compiles to another kernel from the same source)
+            if type(e).__name__ != "OutOfResources" or fitted.shrink >= 4:
                 raise
-            level += 1
-            logger.info("%s kernel out of resources (%s); retrying with smaller tiles (level %d)", kernel, e, level)
+            fitted = dataclasses.replace(spec, shrink=fitted.shrink + 1)
+            logger.info("%s kernel out of resources (%s); retrying with smaller tiles (level %d)", kernel, e,
+                        fitted.shrink)
+            continue
+        if _fitted.get(key) is not fitted:
+            _fitted[key] = fitted
+        return result
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,15 +26,17 @@ class Tiles:
     num_stages: int
 
 
-def gluon_tiles(kernel: str, spec: Spec) -> dict:
+def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True) -> dict:
     """The Gluon kernels' tiles (templates/sm90). Forward: 64 query rows per consumer warp group
     (two per program), key tiles of 128, two K/V stages at head dim 128 and three at 64, as
     measured (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower).
     Backward (FA3's sm90 shapes): 64 K/V rows per consumer warp group (two per program), two
     Q/dO stages, query tiles of 64 at head dim 128 and of 128 at 64 (whose dK and dV accumulators
-    leave the registers for it)."""
+    leave the registers for it) where the score_mod's derivative is 1 (``dscore_one``); a dscore
+    tile beside the 128-row S^T and dP^T spills (softcap: 360 bytes of stack per thread, 0.64x the
+    Triton tier on an H100, against none with tiles of 64)."""
     if kernel == "bwd":
-        return {"attn_bwd": Tiles(128 if spec.head_dim <= 64 else 64, 64, 4, 2)}
+        return {"attn_bwd": Tiles(128 if spec.head_dim <= 64 and dscore_one else 64, 64, 4, 2)}
     return {"attn_fwd": Tiles(64, 128, 4, 2 if spec.head_dim > 64 else 3)}
 
 

@@ -533,6 +533,37 @@ def test_triton_failures_on_generated_code_name_the_file():
         runtime.launch(module(OutOfResources(232448, 101376, "shared memory")))
 
 
+def test_out_of_resources_shrinks_tiles_even_where_they_fitted_before(monkeypatch):
+    """attncc.autograd.with_fallback: tiles too large for the GPU's shared memory are regenerated
+    smaller, up to four levels. Variants of one structure share a kernel source whose Triton
+    compile depends on the captured tensors' dtypes: float32 rows where bfloat16 ones fitted ran
+    out of shared memory on an H100 and reached the user, since the level that had fitted was
+    launched without the fallback."""
+    import types
+
+    from attncc import autograd
+    from attncc.spec import Spec
+
+    class OutOfResources(Exception):  # matched by name, as Triton's (imported lazily)
+        pass
+    compiled = types.SimpleNamespace(variant=types.SimpleNamespace(ir_key="rows"), module=lambda kernel, spec: spec)
+    monkeypatch.setattr(autograd, "_fitted", {})
+    spec = Spec("bfloat16", 128, 128, 1, "cuda-sm90")
+    need = {"level": 0}
+
+    def run(module):
+        if module.shrink < need["level"]:
+            raise OutOfResources("out of resource: shared memory, Required: 328704, Hardware limit: 232448")
+        return module.shrink
+    assert autograd.with_fallback(compiled, "fwd", spec, run, None, None) == 0
+    need["level"] = 2  # the wider captures
+    assert autograd.with_fallback(compiled, "fwd", spec, run, None, None) == 2
+    assert autograd.with_fallback(compiled, "fwd", spec, run, None, None) == 2  # remembered
+    need["level"] = 5
+    with pytest.raises(OutOfResources):
+        autograd.with_fallback(compiled, "fwd", spec, run, None, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # Captured tensors too small for their indices (attncc.checks.check_capture_indices)
 

@@ -188,7 +188,7 @@ TRIG = "trig"  # score_mod with sin, cos and sigmoid (printed as Gluon's functio
 CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] + [
     ("fwd", "causal", 128, 4, "float16"), ("fwd", "alibi", 64, 2, "bfloat16"), ("fwd", "full", 64, 1, "float16")] + [
     ("bwd", name, 128, 1, "bfloat16") for name in ("full", "causal", "alibi", "softcap", "rel_bias", TRIG)] + [
-    ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
+    ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"), ("bwd", "softcap", 64, 1, "bfloat16"),
     ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
     ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16")]  # dcap atomics
 
@@ -218,15 +218,27 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
         assert f"atomics {4 * len(grads)}" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("d,lq", [(128, 128), (128, 100), (64, 17), (64, 256), (64, 300)])
-def test_gluon_dq_accumulator_order(d, lq, tmp_path):
+def test_gluon_backward_query_tiles():
+    """Head dim 64 takes query tiles of 128 where the score_mod's derivative is 1; a dscore tile
+    (softcap) beside them spilled 360 bytes per thread, so it keeps tiles of 64, as head dim 128."""
+    def tiles(name, d):
+        variant = _variant(name)
+        spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon")
+        return plan.build("bwd", variant.analysis, spec, variant.captures).tiles["attn_bwd"].block_m
+    assert [tiles(n, 64) for n in ("full", "causal", "alibi", "softcap")] == [128, 128, 128, 64]
+    assert [tiles(n, 128) for n in ("full", "softcap")] == [64, 64]
+
+
+@pytest.mark.parametrize("d,lq,name", [(128, 128, "full"), (128, 100, "full"), (64, 17, "full"), (64, 256, "full"),
+                                       (64, 300, "full"), (64, 100, "softcap")])
+def test_gluon_dq_accumulator_order(d, lq, name, tmp_path):
     """The float32 dQ buffer holds each warp group's half of a query tile (64 rows x DQ_N columns:
     the columns split at query tiles of 64, the rows at tiles of 128) in the wgmma accumulator's
     register order: thread t = 32 warp + lane holds rows 16 warp + 8 i + lane // 4 and columns
     8 k + 2 (lane % 4) + j of its half at float (128 k + t) * 4 + 2 i + j of its block. The
     launcher's permutation back into dq (whole tiles and a ragged last one, any dq strides) must
     invert exactly that."""
-    variant = _variant("full")
+    variant = _variant(name)
     source = codegen.render(plan.build("bwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon"),
                                        variant.captures))
     path = tmp_path / "bwd.py"
