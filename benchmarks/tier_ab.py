@@ -46,7 +46,8 @@ def main():
                 if args.backward:
                     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
                     out = kernel(q, k, v, enable_gqa=case.gqa > 1)
-                    fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)[0]  # noqa: E731
+                    leaves = (q, k, v, *case.learnable)  # learnable captures' gradients too
+                    fn = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)[0]  # noqa: E731
                 else:
                     fn = lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)  # noqa: E731
                 with torch.set_grad_enabled(args.backward):

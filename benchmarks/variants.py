@@ -46,6 +46,7 @@ def make_cases(H: int, N: int, device, window: int = 1024, prefix: int = 1024) -
     slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)], device=device)
     g = torch.Generator().manual_seed(1)
     table = (0.5 * torch.randn(H, 2 * N - 1, generator=g)).to(device).requires_grad_()  # (H, 2N - 1)
+    learned_slopes = slopes.clone().requires_grad_()  # outside NAMES: tier A/B runs of learnable captures
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -61,6 +62,9 @@ def make_cases(H: int, N: int, device, window: int = 1024, prefix: int = 1024) -
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
+
+    def learned_alibi(score, b, h, q_idx, kv_idx):
+        return score + learned_slopes[h] * (kv_idx - q_idx)
 
     def softcap(score, b, h, q_idx, kv_idx):
         return 30.0 * torch.tanh(score / 30.0)
@@ -81,6 +85,7 @@ def make_cases(H: int, N: int, device, window: int = 1024, prefix: int = 1024) -
         Case("gqa4_causal", mask_mod=causal, gqa=4, sdpa=dict(is_causal=True, enable_gqa=True),
              sdpa_backends=flash_cudnn, fa4=dict(causal=True)),
         Case("relative_bias_causal", relative_bias, causal, learnable=(table,)),
+        Case("learned_alibi_causal", learned_alibi, causal, learnable=(learned_slopes,)),
         Case("dropout0.1_causal", mask_mod=causal, dropout_p=0.1, sdpa=dict(is_causal=True, dropout_p=0.1),
              sdpa_backends=("sdpa-flash",), flex=False),
     ]
