@@ -224,8 +224,8 @@ def test_gluon_backward_scales_the_lse_start_cannot_take(scale, monkeypatch):
 
 def test_gluon_backward_tier_choice(monkeypatch):
     """Learnable captures keep the Triton tier's backward unless ATTNCC_TIER=gluon asks for the
-    Gluon one (its atomic capture gradients are new), and always where a learnable capture is
-    indexed by both positions; deterministic mode keeps it too."""
+    Gluon one (its per-step sums and atomics measured slower), and always where a learnable
+    capture is indexed by both positions; deterministic mode keeps it too."""
     torch.manual_seed(6)
     L = 4099  # past tiers.GLUON_BWD_PAYS: under auto only the learnable capture keeps the Triton tier
     slopes = torch.rand(4, device="cuda", requires_grad=True)
@@ -240,6 +240,35 @@ def test_gluon_backward_tier_choice(monkeypatch):
         attncc.attention(q, k, v, mod, **kwargs).sum().backward()
         assert _bwd_modules(want) and not _bwd_modules({"triton": "gluon", "gluon": "triton"}[want]), (tier, want)
     assert torch.isfinite(slopes.grad).all() and torch.isfinite(table.grad).all()
+
+
+@pytest.mark.parametrize("D,L,mask", [(64, 1000, "per-head window"), (128, 1000, "per-head window"),
+                                       (64, 8200, "causal")])
+def test_gluon_backward_gqa_programs(D, L, mask, monkeypatch):
+    """GQA 4:1: a program per query head adding dK, dV into float32 sums (always where the mask
+    reads h, whose tile bounds are one query head's; at head dim 64 from SPLIT_HEADS_FROM keys),
+    against float64 autograd."""
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    torch.manual_seed(zlib.crc32(f"gqa-programs-{D}-{L}".encode()))
+    if mask == "causal":
+        mask_mod = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    else:
+        mask_mod = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 96 * (h + 1))  # noqa: E731
+    q = torch.randn(1, 4, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 1, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    attncc.api._loaded.clear()
+    out = attncc.attention(q, k, v, None, mask_mod, enable_gqa=True)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    modules = _bwd_modules("gluon")
+    assert modules and not _bwd_modules("triton")
+    assert L >= modules[0].SPLIT_HEADS_FROM, "the programs did not split the query heads"
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = attncc.reference.attention(qd, kd, vd, None, mask_mod, enable_gqa=True)
+    want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    for label, g, w in zip(("dq", "dk", "dv"), got, want):
+        err = ((g.double() - w).norm() / w.norm()).item()
+        assert torch.isfinite(g).all() and err < BWD_TOL[torch.bfloat16], (label, err)
 
 
 LEARNABLE = {  # name -> builder of (score_mod, mask_mod, learnable tensors) for H query heads, length L

@@ -43,28 +43,12 @@ PATCHES = {
                 "    pT_lp = pT.to(p.q_desc.dtype)\n    pT_op = gl.convert_layout(pT_lp, op_layout)\n"),
                ("    dsT = pT * dpT  # dS' = P * (dP - Delta)\n",
                 "    pT = pT_lp.to(gl.float32)\n    dsT = pT * dpT  # dS' = P * (dP - Delta)\n")],
-    # a warp of its own issues the dQ adds (FA3's dQ writer warp), so that the producer's loads never wait for them
-    "dq-warp": [
-        ("""        if j > 0:
-            _dq_add(p, j - 1, b, h_kv, full_lo, full_hi, hi, n_hi, n_masked, rot)
-    if n_blocks * GROUP > 0:
-        _dq_add(p, n_blocks * GROUP - 1, b, h_kv, full_lo, full_hi, hi, n_hi, n_masked, rot)
-""", """
-
-
-@gluon.jit
-def dq_writer(p: Pipeline):
-    b, h_kv, kv_lo, full_lo, full_hi, hi, n_hi, n_masked, n_blocks = _program(p)
-    rot = _q_rotation(kv_lo, full_lo, p.BLOCK_M)
-    for i in range(n_blocks * p.GROUP):
-        _dq_add(p, i, b, h_kv, full_lo, full_hi, hi, n_hi, n_masked, rot)
-"""),
-        ("        (producer, (p, )),\n    ], [4, 1], [240, 24])",
-         "        (producer, (p, )),\n        (dq_writer, (p, )),\n    ], [4, 1, 1], [240, 24, 24])"),
-        ("maxnreg=168,", "maxnreg=152,")],
     # the grid's order (_program): chunks of one (batch, K/V head) pair (head major), of four, of all
     # of them (K/V tile major), instead of about one wave of programs per chunk
     "chunk1": [(_CHUNK, "    chunk = 1\n")],
     "chunk4": [(_CHUNK, "    chunk = 4\n")],
-    "kv-major": [(_CHUNK, "    chunk = BH_KV\n")],
+    "kv-major": [(_CHUNK, "    chunk = B * H // heads\n")],
+    # GQA: the query heads of a K/V head in one program (dK, dV summed in registers), or one per program
+    "heads-together": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 1 << 40  # ")],
+    "heads-split": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 0  # ")],
 }

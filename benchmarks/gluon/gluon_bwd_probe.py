@@ -71,7 +71,7 @@ def main():
                 for old, new in [edit for part in patch.split("+") for edit in PATCHES[part]]:
                     assert old in src, (patch, old)
                     src = src.replace(old, new)
-                module = load(src, f"{name}_{patch}", folder)
+                module = load(src, f"{name}_{patch}_d{D}_g{case.gqa}", folder)  # one module name per source
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
                 fn = lambda: module.launch(q, k, v, out, lse, do, None, *grads, caps, [], scale)  # noqa: E731
                 fn()
