@@ -138,7 +138,7 @@ def test_mask_ascii_document(capsys, mods):
 def test_mask_png(capsys, mods, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "mask.png"
-    code, out, _ = run(capsys, "explain", f"{mods}:document", "--mask-png", png, "--len", 512)
+    code, out, _ = run(capsys, "explain", f"{mods}:document", "--mask-png", png, "--len", 256)  # doc_ids: 256
     assert code == 0 and f"wrote {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
