@@ -26,8 +26,9 @@ GLUON_PAYS = (128,)
 # Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
 # the shortest K/V length.
-#   64:  4x32x4096 1.00-1.16x (full 1.06, causal 1.06, alibi 1.09, softcap 1.16, GQA 4:1 1.05),
-#        2x16x16384 1.13-1.48x; 16x32x1024 0.73-0.99x (short programs: their fixed cost shows)
+#   64:  4x32x4096 1.08-1.24x (2026-11-25: full 1.24, causal 1.21, prefix-LM 1.15, ALiBi 1.14,
+#        sliding window 1.08, softcap 1.18 with query tiles of 64, GQA 4:1 1.31), 1x32x16384
+#        1.09-1.41x; 16x32x1024 0.73-0.99x (short programs: their fixed cost shows)
 #   128: 4x16x4096 full 1.20x, causal 1.25, sliding window 1.14, ALiBi 1.08, softcap 1.05, GQA 4:1
 #        1.06-1.07 (0.88 before the grid ran in chunks); 1x16x16384 full 1.37, causal 1.29, GQA 1.21;
 #        16x16x1024 0.68-1.06 (full 1.06, causal 0.93)
