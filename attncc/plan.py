@@ -211,12 +211,9 @@ def _offset_and_bounds(index, capture, printer_, at_positions=True):
     """Offset and bounds checks of a gradient's atomic add; none where the index is at the tile's
     positions and stays inside the tensor there (``printer.in_range``). The diagonal sums add at
     points (q_diag, kv_first) off the tile, which keep their checks."""
-    offset = " + ".join((f"{printer_.doprint(i)} * dcap{capture}_stride{d}" if i.is_Integer else
-                         f"({printer_.doprint(i)}).to({printer_.lang}.int64) * dcap{capture}_stride{d}")
-                        for d, i in enumerate(index)) or "0"  # a constant index as printer._load has it
-    bounds = [] if at_positions and printer_.in_range(capture) else [
-        f"({printer_.doprint(i)} >= 0) & ({printer_.doprint(i)} < cap{capture}_size{d})" for d, i in enumerate(index)]
-    return offset, bounds
+    offset, bounds = printer_.address(capture, index, f"dcap{capture}_stride")
+    checked = bounds and not (at_positions and printer_.in_range(capture))
+    return offset or "0", [bounds] if checked else []  # "0": a constant index, as printer._load has it
 
 
 def _reads_difference_only(index) -> bool:

@@ -296,7 +296,7 @@ class TritonPrinter(StrPrinter):
     def _row(self, n, index) -> str:
         """`ptr, offset, mask, step` of rows of captured tensor n: the leading indices ``index``,
         the last dimension stepped through by _row_dot (templates/header.py.jinja)."""
-        offset, bounds = self._address(n, index)
+        offset, bounds = self._address(n, index, f"cap{n}_stride")
         mask = "None" if self.in_range(n) else self.as_bool(bounds)
         return f"cap{n}_ptr, {offset}, {mask}, cap{n}_stride{len(index)}"
 
@@ -305,14 +305,19 @@ class TritonPrinter(StrPrinter):
         its loads need no bounds mask."""
         return self.captures[n][2]
 
-    def _address(self, n, index) -> tuple[str, str]:
-        """(element offset, in-bounds condition) of captured tensor n at ``index``."""
-        cap = f"cap{n}"
+    def address(self, n, index, strides: str) -> tuple[str, str]:
+        """(element offset, in-bounds condition) of captured tensor n at ``index``, in the
+        printer's language: the offset over the strides named ``strides``0, 1, ... (the tensor's
+        own, or its gradient's), the condition over the tensor's sizes."""
+        offset, bounds = self._address(n, index, strides)
+        return tuple(text if self.lang == "tl" else in_language(text, self.lang) for text in (offset, bounds))
+
+    def _address(self, n, index, strides) -> tuple[str, str]:
         offsets, bounds = [], []
         for d, i in enumerate(index):
             text = self._print(i)
-            offsets.append(f"{text} * {cap}_stride{d}" if i.is_Integer else f"({text}).to(tl.int64) * {cap}_stride{d}")
-            bounds.append(f"({text} >= 0) & ({text} < {cap}_size{d})")
+            offsets.append(f"{text} * {strides}{d}" if i.is_Integer else f"({text}).to(tl.int64) * {strides}{d}")
+            bounds.append(f"({text} >= 0) & ({text} < cap{n}_size{d})")
         return " + ".join(offsets), " & ".join(bounds)
 
     def _load(self, n, index):
@@ -320,7 +325,7 @@ class TritonPrinter(StrPrinter):
         convert = ".to(tl.float32)" if kind == "float" else ".to(tl.int32)"
         if not index:
             return f"tl.load(cap{n}_ptr){convert}"
-        offset, bounds = self._address(n, index)
+        offset, bounds = self._address(n, index, f"cap{n}_stride")
         if in_range:
             return f"tl.load(cap{n}_ptr + {offset}){convert}"
         return f"tl.load(cap{n}_ptr + {offset}, mask={self.as_bool(bounds)}, other=0){convert}"
