@@ -243,6 +243,11 @@ def test_gluon_backward_query_tiles():
     assert [tiles(n, 128) for n in ("full", "softcap")] == [64, 64]
 
 
+def module_order(source):
+    """The DQ_ORDER tuple a rendered Gluon backward states."""
+    return next(line.split(" = ")[1].split("  #")[0] for line in source.splitlines() if line.startswith("DQ_ORDER = "))
+
+
 @pytest.mark.parametrize("d,lq,name", [(128, 128, "full"), (128, 100, "full"), (64, 17, "full"), (64, 256, "full"),
                                        (64, 300, "full"), (64, 100, "softcap")])
 def test_gluon_dq_accumulator_order(d, lq, name, tmp_path):
@@ -257,7 +262,7 @@ def test_gluon_dq_accumulator_order(d, lq, name, tmp_path):
     variant = _variant(name)
     source = codegen.render(plan.build("bwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon"),
                                        variant.captures))
-    assert "    acc = gl.permute(acc, DQ_ORDER)\n" in source
+    assert f"    acc = gl.permute(acc, {module_order(source)})  # DQ_ORDER\n" in source
     assert "    acc = gl.reshape(acc, [2, BLOCK_M * HEAD_DIM // 1024, 4, 8, 4, 2, 2])\n" in source
     path = tmp_path / "bwd.py"
     path.write_text(source)
@@ -279,7 +284,7 @@ def test_gluon_dq_accumulator_order(d, lq, name, tmp_path):
     bh = torch.arange(B * H)[:, None, None]
     index = ((bh * n_q + r // block_m) * 2 + wg) * (64 * dq_n) + f
     want = acc[index].view(B, H, n_q * block_m, d)[:, :, :lq]
-    order = module.DQ_ORDER.value
+    order = module.DQ_ORDER
     blocks = acc.view(B * H * n_q, 2, block_m * d // 1024, 4, 8, 4, 2, 2).permute(0, *[1 + x for x in order])
     dq = blocks.reshape(B, H, n_q * block_m, d)[:, :, :lq]
     assert torch.equal(dq, want)
