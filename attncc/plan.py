@@ -295,6 +295,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         tile_bounds["attn_kv"] = dataclasses.replace(tile_bounds["attn_kv"], full_empty=True,
                                                      full_first=None, full_end=None, full_text="(none)")
     block_sparse = bool(f.captures_in_mask)
+    whole_tiles = "attn_bwd_dkdv" not in tile_bounds or not tile_bounds["attn_bwd_dkdv"].full_empty
     fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
     mask_class = ("none" if f.mask_trivial else
                   "banded" if fwd_bounds is not None and fwd_bounds.reach_first is not None else "masked")
@@ -323,7 +324,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         score_identity=f.score_identity, dscore_one=dscore_one, captures=caps,
         fold_scale=f.score_identity and spec.positive_scale and (gluon or kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
-        tiles=gluon_tiles(kernel, spec, dscore_one) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
+        tiles=gluon_tiles(kernel, spec, dscore_one, whole_tiles) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
         mods=mods, row_dots=row_dots,
         bounds=tile_bounds, grads=grads,
         log2_bias=log2_bias, atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,

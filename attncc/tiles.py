@@ -26,17 +26,21 @@ class Tiles:
     num_stages: int
 
 
-def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True) -> dict:
+def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: bool = True) -> dict:
     """The Gluon kernels' tiles (templates/sm90). Forward: 64 query rows per consumer warp group
     (two per program), key tiles of 128, two K/V stages at head dim 128 and three at 64, as
     measured (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower).
     Backward (FA3's sm90 shapes): 64 K/V rows per consumer warp group (two per program), two
     Q/dO stages, query tiles of 64 at head dim 128 and of 128 at 64 (whose dK and dV accumulators
-    leave the registers for it) where the score_mod's derivative is 1 (``dscore_one``); a dscore
-    tile beside the 128-row S^T and dP^T spills (softcap: 360 bytes of stack per thread, 0.64x the
-    Triton tier on an H100, against none with tiles of 64)."""
+    leave the registers for it) where the score_mod's derivative is 1 (``dscore_one``) and the
+    mask leaves some tiles whole (``whole_tiles``). A dscore tile beside the 128-row S^T and dP^T
+    spills (softcap: 360 bytes of stack per thread, 0.64x the Triton tier on an H100, against none
+    with tiles of 64), and so does the mask code of 128-row steps (causal: 104 bytes): a mask
+    whose tile bounds leave no whole tile runs every step with it (H100, a document mask,
+    4x32x4096x64 / 1x32x16384x64: 3.049 / 10.936 ms with tiles of 128, 2.399 / 8.561 with 64;
+    causal 1.757 / 5.979 against 1.823 / 6.204)."""
     if kernel == "bwd":
-        return {"attn_bwd": Tiles(128 if spec.head_dim <= 64 and dscore_one else 64, 64, 4, 2)}
+        return {"attn_bwd": Tiles(128 if spec.head_dim <= 64 and dscore_one and whole_tiles else 64, 64, 4, 2)}
     return {"attn_fwd": Tiles(64, 128, 4, 2 if spec.head_dim > 64 else 3)}
 
 

@@ -233,13 +233,17 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
 
 
 def test_gluon_backward_query_tiles():
-    """Head dim 64 takes query tiles of 128 where the score_mod's derivative is 1; a dscore tile
-    (softcap) beside them spilled 360 bytes per thread, so it keeps tiles of 64, as head dim 128."""
+    """Head dim 64 takes query tiles of 128 where the score_mod's derivative is 1 and the mask
+    leaves whole tiles; a dscore tile (softcap) beside them spilled 360 bytes per thread, and a
+    mask whose bounds leave no whole tile runs every 128-row step with its spilling mask code:
+    those keep tiles of 64, as head dim 128."""
     def tiles(name, d):
-        variant = _variant(name)
+        variant = name if isinstance(name, attncc.Variant) else _variant(name)
         spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon")
         return plan.build("bwd", variant.analysis, spec, variant.captures).tiles["attn_bwd"].block_m
-    assert [tiles(n, 64) for n in ("full", "causal", "alibi", "softcap")] == [128, 128, 128, 64]
+    assert [tiles(n, 64) for n in ("full", "causal", "alibi", "softcap", "document")] == [128, 128, 128, 64, 64]
+    stripes = attncc.Variant(mask_mod=lambda b, h, q, k: (q // 64) % 2 == (k // 64) % 2)  # no whole tile derivable
+    assert tiles(stripes, 64) == 64
     assert [tiles(n, 128) for n in ("full", "softcap")] == [64, 64]
 
 

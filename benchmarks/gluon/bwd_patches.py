@@ -52,3 +52,26 @@ PATCHES = {
     "heads-together": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 1 << 40  # ")],
     "heads-split": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 0  # ")],
 }
+
+_DV_ISSUE = "    dv_tok = warpgroup_mma(pT_op, do_smem, dv, is_async=True)\n"
+_DP_WAIT = "    dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))"
+_DK_ISSUE = "    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)\n"
+_WAIT_ALL = "    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))\n"
+_RETURN = "    mbarrier.arrive(p.dq_bars.index(WG), count=1)\n    return dk, dv\n"
+# dV's product issued after dS^T is stored (with dK's), so dP^T's wait is the only one in the softmax
+PATCHES["dv-late"] = [(_DV_ISSUE, ""), (_DP_WAIT, _DP_WAIT.replace("=1", "=0")), (_DK_ISSUE, _DV_ISSUE + _DK_ISSUE)]
+# FA4's sm90 order: dS^T stored, dV issued, both warp groups meet, dQ issued, dK issued once dV is
+# in, dQ stored while dK runs
+PATCHES["fa4-order"] = [
+    (_DV_ISSUE, ""), (_DP_WAIT, _DP_WAIT.replace("=1", "=0")), (_DK_ISSUE, _DV_ISSUE),
+    (_WAIT_ALL, "    dv, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, pT_op))\n" + _DK_ISSUE
+     + "    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ))\n"),
+    (_RETURN, "    mbarrier.arrive(p.dq_bars.index(WG), count=1)\n"
+     "    dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))\n    return dk, dv\n")]
+# the two warp groups meet over dS^T at a hardware named barrier (bar.sync 8, 256: one instruction)
+# instead of an mbarrier (Gluon's arrive is a warp-group bar.sync, a fence and an elected arrive,
+# then a try-wait loop)
+PATCHES["named-ds"] = [("""    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+""", """    gl.inline_asm_elementwise("bar.sync 8, 256;\\n\\tmov.u32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
+""")]
