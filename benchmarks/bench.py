@@ -279,12 +279,20 @@ def gpu_name():
 
 
 def git_commit():
-    """The checkout's commit (+ "-dirty" with local changes), or None outside a git checkout."""
-    run = lambda *a: subprocess.run(["git", *a], cwd=Path(__file__).parent, capture_output=True, text=True)  # noqa
+    """The checkout's commit (+ "-dirty" with local changes); $ATTNCC_COMMIT where the benchmark
+    runs from an exported copy of a commit (inside another checkout, git would name that one's);
+    None where neither tells."""
+    if os.environ.get("ATTNCC_COMMIT"):
+        return os.environ["ATTNCC_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)  # noqa
     try:
-        head, status = run("rev-parse", "--short", "HEAD"), run("status", "--porcelain", "--untracked-files=no")
+        top, head = run("rev-parse", "--show-toplevel"), run("rev-parse", "--short", "HEAD")
+        status = run("status", "--porcelain", "--untracked-files=no")
     except OSError:
         return None
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:
+        return None  # not the root of a checkout: a copy whose commit git cannot tell
     return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "") if head.returncode == 0 else None
 
 
