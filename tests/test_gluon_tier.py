@@ -192,8 +192,12 @@ assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
 adds = [line for line in compiled.asm["ptx"].splitlines() if "red.global" in line or "atom.global" in line]
 print("atomics", sum(".add.f32" in line for line in adds), "vector", sum(".add.v" in line for line in adds),
       "ordered", sum("relaxed" not in line for line in adds))
-print("compiled", compiled.metadata.shared)
+print("compiled", compiled.metadata.shared, "triton", triton.__version__)
 """
+# A folder holding Triton 3.6, the GPU machines' version (.ci/run installs one there): every case
+# compiles with it too, since Gluon's API moves between releases (3.9 took a global constexpr tuple
+# that 3.6 refused)
+TRITON_36 = os.environ.get("ATTNCC_TRITON_36")
 
 
 TRIG = "trig"  # score_mod with sin, cos and sigmoid (printed as Gluon's functions or its helpers)
@@ -218,18 +222,22 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
     helper, param = (module._block_range, "BLOCK_Q") if kind == "fwd" else (module._q_range, "BLOCK_KV")
     assert not isinstance(inspect.signature(helper.fn).parameters[param].annotation, str)
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNCC_INTERPRET")}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     shapes = [list(c.tensor.shape) for c in variant.captures]
-    result = subprocess.run([sys.executable, "-c", COMPILE, str(path), str(d), str(group), dtype, json.dumps(shapes), kind],
-                            capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
-    if kind == "bwd-learn":  # one atomic instruction per gradient, loop (masked, whole) and consumer: a
-        # value the layout holds twice per thread would be added twice
-        grads = plan.build("bwd", variant.analysis, spec, variant.captures).grads
-        assert f"atomics {4 * len(grads)} " in result.stdout, result.stdout
-    if "atomics" in result.stdout:  # sums, not synchronisation: relaxed (an acq_rel atomic orders memory)
-        assert " ordered 0" in result.stdout, result.stdout
+    for triton_dir in [None] + ([TRITON_36] if TRITON_36 else []):  # this Triton, then the GPU machines' 3.6
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNCC_INTERPRET")}
+        env["TRITON_CACHE_DIR"] = str(tmp_path / f"triton{'-3.6' if triton_dir else ''}")
+        if triton_dir:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [triton_dir, env.get("PYTHONPATH")]))
+        result = subprocess.run([sys.executable, "-c", COMPILE, str(path), str(d), str(group), dtype, json.dumps(shapes),
+                                 kind], capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+        assert not triton_dir or "triton 3.6." in result.stdout, result.stdout  # the folder's Triton ran
+        if kind == "bwd-learn":  # one atomic instruction per gradient, loop (masked, whole) and consumer: a
+            # value the layout holds twice per thread would be added twice
+            grads = plan.build("bwd", variant.analysis, spec, variant.captures).grads
+            assert f"atomics {4 * len(grads)} " in result.stdout, result.stdout
+        if "atomics" in result.stdout:  # sums, not synchronisation: relaxed (an acq_rel atomic orders memory)
+            assert " ordered 0" in result.stdout, result.stdout
 
 
 def test_gluon_backward_query_tiles():
