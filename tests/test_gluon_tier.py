@@ -255,7 +255,7 @@ def test_gluon_backward_query_tiles():
     assert [tiles(n, 128) for n in ("full", "softcap")] == [64, 64]
 
 
-def module_order(source):
+def _dq_order(source):
     """The DQ_ORDER tuple a rendered Gluon backward states."""
     return next(line.split(" = ")[1].split("  #")[0] for line in source.splitlines() if line.startswith("DQ_ORDER = "))
 
@@ -274,7 +274,7 @@ def test_gluon_dq_accumulator_order(d, lq, name, tmp_path):
     variant = _variant(name)
     source = codegen.render(plan.build("bwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon"),
                                        variant.captures))
-    assert f"    acc = gl.permute(acc, {module_order(source)})  # DQ_ORDER\n" in source
+    assert f"    acc = gl.permute(acc, {_dq_order(source)})  # DQ_ORDER\n" in source
     assert "    acc = gl.reshape(acc, [2, BLOCK_M * HEAD_DIM // 1024, 4, 8, 4, 2, 2])\n" in source
     path = tmp_path / "bwd.py"
     path.write_text(source)
