@@ -209,7 +209,12 @@ class CompiledAttention:
         lines += ["", "Kernel tier (attncc.tiers; ATTNCC_TIER=auto|triton|gluon):"]
         for d in (128, 64):
             tier, why = tiers.choose(v, "cuda-sm90", "bfloat16", d, d, v.dropout_p > 0)
-            lines.append(f"  forward, sm90, bfloat16, head dim {d}: {tier} ({why})")
+            line = f"  forward, sm90, bfloat16, head dim {d}: {tier} ({why})"
+            if tier == "triton" and tiers.GLUON_PAYS.get(d) and config.tier() == "auto":
+                longer = tiers.GLUON_PAYS[d]
+                tier, why = tiers.choose(v, "cuda-sm90", "bfloat16", d, d, v.dropout_p > 0, length=longer)
+                line += f"; from {longer} queries and keys: {tier}" + (f" ({why})" if tier == "gluon" else "")
+            lines.append(line)
             spec = Spec("bfloat16", d, d, 1, "cuda-sm90", v.dropout_p > 0, tier=tier)
             tier, why = tiers.choose_backward(v, spec, (), False)
             line = f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})"

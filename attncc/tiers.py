@@ -14,15 +14,21 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from . import config
+from . import config, plan
 from .spec import sm
 
 GLUON_DTYPES = ("float16", "bfloat16")
 GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims the kernel was built for
-# Head dims where the Gluon forward measured faster than the Triton tier's (H100, bf16, triton 3.6,
-# benchmarks/gluon/NOTES.md): 128 (4x16x4096: full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384
-# full 3.46 vs 3.90); at 64 it measured slower (4x32x4096 full 1.356 vs 1.208, causal 0.736 vs 0.706)
-GLUON_PAYS = (128,)
+# Where the Gluon forward measured faster than the Triton tier's (H100, bf16, triton 3.6,
+# benchmarks/gluon/NOTES.md): head dim -> the shortest query and key length.
+#   128: 4x16x4096 full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384 full 3.46 vs 3.90
+#   64:  only with three consumer warp groups (plan.wide_forward: the identity score_mod, a mask
+#        that does not band the keys), from 8k (2026-11-25, Triton / Gluon ms, medians of three
+#        interleaved runs): 1x32x16384 full 4.94 / 4.80, causal 2.65 / 2.35, GQA 4:1 causal
+#        2.60 / 2.42, prefix-LM 2.66 / 2.37; 2x32x8192 full 2.37 / 2.32, causal 1.38 / 1.31, GQA
+#        1.38 / 1.31; at 4x32x4096 it loses (causal 0.74 / 0.75, GQA 0.71 / 0.75, prefix-LM
+#        0.73 / 0.77): a program of 192 query rows has few key tiles to amortise its start on
+GLUON_PAYS = {128: 0, 64: 8192}
 # Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
 # the shortest K/V length.
@@ -85,11 +91,13 @@ def _indexed_by_both_positions(variant, learnable) -> bool:
 _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
 
 
-def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, tensors=()) -> tuple[str, str]:
+def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, tensors=(), length: int | None = None
+           ) -> tuple[str, str]:
     """(tier, why) of a forward call: "gluon" or "triton". ``tensors``: q, k and v, which the Gluon
-    kernel reads through 4-D tensor descriptors (the output takes q's layout, so q stands for it).
-    The part that does not depend on the tensors is memoised: per call, one dict lookup and the
-    tensors' layout check."""
+    kernel reads through 4-D tensor descriptors (the output takes q's layout, so q stands for it),
+    and whose lengths GLUON_PAYS may ask for; without them, ``length`` stands for both (None: not
+    known, taken as short). The part that does not depend on the tensors is memoised: per call, one
+    dict lookup and the tensors' layout check."""
     want = config.tier()
     key = (variant.ir_key, target, dtype, d, dv, dropout, want)
     chosen = _chosen.get(key)
@@ -101,6 +109,12 @@ def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, ten
             if not _addressable(t) or t.shape[2] == 0:
                 return "triton", ("a tensor TMA cannot address (unit head-dim stride, 16-byte aligned strides, "
                                   "no empty length)")
+        shortest = GLUON_PAYS.get(d, 0) if want == "auto" else 0
+        if tensors:
+            length = min(tensors[0].shape[2], tensors[1].shape[2])
+        if shortest and (length is None or length < shortest):
+            return "triton", (f"head dim {d}, {'an unknown length' if length is None else f'{length} queries or keys'} "
+                              f"(< {shortest}): the Gluon forward measured slower (tiers.GLUON_PAYS)")
     return chosen
 
 
@@ -114,7 +128,11 @@ def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
         return "triton", why_not
     if want == "auto" and d not in GLUON_PAYS:
         return "triton", f"head dim {d}: the Gluon forward measured slower than the Triton tier's (tiers.GLUON_PAYS)"
-    return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {dtype}, head dim {d}: measured faster"
+    if want == "auto" and d == 64 and not plan.wide_forward(variant.analysis.facts, plan.forward_mask_class(variant.analysis), d):
+        return "triton", ("head dim 64: the Gluon forward pays with three consumer warp groups, which need the identity "
+                          "score_mod and a mask that does not band the keys (plan.wide_forward)")
+    return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {dtype}, head dim {d}: measured faster" + (
+        " (three consumer warp groups)" if d == 64 else "")
 
 
 def _unfit(variant, dtype, d, dv, dropout) -> str | None:

@@ -26,10 +26,15 @@ class Tiles:
     num_stages: int
 
 
-def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: bool = True) -> dict:
-    """The Gluon kernels' tiles (templates/sm90). Forward: 64 query rows per consumer warp group
-    (two per program), key tiles of 128, two K/V stages at head dim 128 and three at 64, as
-    measured (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower).
+def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: bool = True,
+                three_groups: bool = False) -> dict:
+    """The Gluon kernels' tiles (templates/sm90). Forward: 64 query rows per consumer warp group,
+    key tiles of 128, two K/V stages at head dim 128 and three at 64, as measured
+    (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower); two consumer
+    warp groups (num_warps 8), or three (12: FA3/FA4's 192-row tile) with ``three_groups``, which
+    plan.three_groups grants at head dim 64 where their 160 registers hold the softmax (H100,
+    1x32x16384x64 against two: full 4.63 vs 5.00 ms, causal 2.35-2.55 vs 2.63-3.02; ALiBi 4.45
+    vs 3.13, spilling).
     Backward (FA3's sm90 shapes): 64 K/V rows per consumer warp group (two per program), two
     Q/dO stages, query tiles of 64 at head dim 128 and of 128 at 64 (whose dK and dV accumulators
     leave the registers for it) where the score_mod's derivative is 1 (``dscore_one``) and the
@@ -41,7 +46,7 @@ def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: b
     causal 1.757 / 5.979 against 1.823 / 6.204)."""
     if kernel == "bwd":
         return {"attn_bwd": Tiles(128 if spec.head_dim <= 64 and dscore_one and whole_tiles else 64, 64, 4, 2)}
-    return {"attn_fwd": Tiles(64, 128, 4, 2 if spec.head_dim > 64 else 3)}
+    return {"attn_fwd": Tiles(64, 128, 12 if three_groups else 8, 2 if spec.head_dim > 64 else 3)}
 
 
 def pow2(n: int) -> int:

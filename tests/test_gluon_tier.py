@@ -56,6 +56,17 @@ def test_tier_choice(monkeypatch):
     tier, reason = tiers.choose(attncc.Variant(lambda s, b, h, q, k: s + torch.dot(rows[q], rows[k])), "cuda-sm90",
                                 "bfloat16", 128, 128, False)
     assert tier == "triton" and "tile product" in reason
+    # head dim 64: three consumer warp groups (the identity score_mod, a mask that does not band
+    # the keys), from 8192 queries and keys
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=8192)[0] == "gluon"
+    long, short = (torch.zeros(1, 2, n, 64, dtype=torch.bfloat16) for n in (8192, 8191))
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (long, long, long))[0] == "gluon"
+    for tensors in [(long, short, short), (short, long, long)]:
+        tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, tensors)
+        assert tier == "triton" and "8191 queries or keys (< 8192)" in reason, reason
+    for name in ("alibi", "sliding_window", "softcap"):
+        tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=16384)
+        assert tier == "triton" and "three consumer warp groups" in reason, (name, reason)
     q = torch.zeros(1, 2, 8, 256, dtype=torch.bfloat16)[..., ::2]  # head-dim stride 2: no TMA box
     tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, (q, q, q))
     assert tier == "triton" and "TMA" in reason
@@ -171,7 +182,8 @@ if kind == "fwd":
     args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
             module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 0.125]
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                                                            GROUP=group, num_warps=4, maxnreg=168))
+                                                            GROUP=group, WGS=module.WGS, num_warps=4,
+                                                            maxnreg=168 if module.WGS == 2 else 128))
 else:
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_bwd"]
     heads = 1 if Lkv >= module.SPLIT_HEADS_FROM else group  # as the launcher: query heads per program
@@ -202,7 +214,8 @@ TRITON_36 = os.environ.get("ATTNCC_TRITON_36")
 
 TRIG = "trig"  # score_mod with sin, cos and sigmoid (printed as Gluon's functions or its helpers)
 CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] + [
-    ("fwd", "causal", 128, 4, "float16"), ("fwd", "alibi", 64, 2, "bfloat16"), ("fwd", "full", 64, 1, "float16")] + [
+    ("fwd", "causal", 128, 4, "float16"), ("fwd", "alibi", 64, 2, "bfloat16"), ("fwd", "full", 64, 1, "float16"),
+    ("fwd", "causal", 64, 4, "bfloat16")] + [
     ("bwd", name, 128, 1, "bfloat16") for name in ("full", "causal", "alibi", "softcap", "rel_bias", TRIG)] + [
     ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"), ("bwd", "softcap", 64, 1, "bfloat16"),
     ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
@@ -219,6 +232,8 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     path.write_text(source)
     module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)
     assert module.TIER == "gluon"
+    if kind == "fwd":  # three consumer warp groups where plan.wide_forward grants them
+        assert module.WGS == (3 if d == 64 and name in ("full", "causal") else 2)
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
     helper, param = (module._block_range, "BLOCK_Q") if kind == "fwd" else (module._q_range, "BLOCK_KV")
     assert not isinstance(inspect.signature(helper.fn).parameters[param].annotation, str)
@@ -313,3 +328,23 @@ def test_probe_patches_still_apply():
         for patch, edits in patches.PATCHES.items():
             for old, _ in edits:
                 assert source.count(old) == 1, (name, patch, old[:80], source.count(old))
+
+
+def test_forward_probe_patches_still_apply():
+    """The same for benchmarks/gluon/fwd_patches.py (gluon_fwd_probe.py's patches) of the rendered Gluon forward, at
+    both widths (two consumer warp groups at head dim 128, three at 64)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon" / "fwd_patches.py"
+    spec = importlib.util.spec_from_file_location("fwd_patches", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    for name in ("full", "causal"):
+        variant = _variant(name)
+        for d in (128, 64):
+            source = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90",
+                                                                             tier="gluon"), variant.captures))
+            for patch, edits in probe.PATCHES.items():
+                for old, _ in edits:
+                    if not old.startswith("\nPERSISTENT"):  # those two set the flag either way
+                        assert source.count(old) == 1, (name, d, patch, old[:80], source.count(old))
+

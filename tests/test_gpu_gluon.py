@@ -22,8 +22,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = {"1x2x1x1": (1, 2, 2, 1, 1, 128), "2x3x17": (2, 3, 3, 17, 17, 128), "gqa8:2-1000": (2, 8, 2, 1000, 1000, 128),
           "Lq300-Lkv1500": (2, 4, 4, 300, 1500, 128), "Lq1500-Lkv300": (1, 4, 4, 1500, 300, 128),
           "Lq1-Lkv4096": (2, 2, 2, 1, 4096, 128), "D64-gqa4:1-Lq17-Lkv1000": (1, 4, 1, 17, 1000, 64),
-          "many-tiles-4x8x2048": (4, 8, 8, 2048, 2048, 128)}
-FP16_SHAPES = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq17-Lkv1000")  # fp16: fewer shapes (each dtype compiles its kernels)
+          "many-tiles-4x8x2048": (4, 8, 8, 2048, 2048, 128),
+          # head dim 64: three consumer warp groups (192-row tiles) where plan.wide_forward says
+          "D64-2x3x17": (2, 3, 3, 17, 17, 64), "D64-Lq300-Lkv1500": (2, 4, 4, 300, 1500, 64),
+          "D64-Lq1500-Lkv300": (1, 4, 4, 1500, 300, 64), "D64-Lq1-Lkv777": (2, 2, 2, 1, 777, 64)}
+FP16_SHAPES = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq17-Lkv1000", "D64-Lq300-Lkv1500")  # fp16: fewer shapes (each dtype compiles its kernels)
 GLUON_VARIANTS = [n for n in NAMES if n != "document"]  # a mask reading tensors keeps the Triton tier
 
 
@@ -69,14 +72,14 @@ def test_gluon_and_triton_tiers_agree(dt, monkeypatch):
         assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"{name}: tiers differ by {err:.2e}"
 
 
-@pytest.mark.parametrize("dt", list(DTYPES))
-def test_gluon_fully_masked_rows_and_blhd_views(dt, monkeypatch):
+@pytest.mark.parametrize("dt,D", [(dt, D) for dt in DTYPES for D in (128, 64)])
+def test_gluon_fully_masked_rows_and_blhd_views(dt, D, monkeypatch):
     """Rows whose every key is masked give 0 and lse -inf; (B, L, H, D) views go through 4-D
     descriptors with their strides."""
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     dtype = DTYPES[dt]
     torch.manual_seed(3)
-    B, L, H, D = 2, 777, 4, 128
+    B, L, H = 2, 777, 4
     q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
     mask = lambda b, h, q_idx, kv_idx: (q_idx < 300) & (kv_idx <= q_idx) | (q_idx > 600) & (kv_idx > 500)  # noqa: E731
     out, lse = attncc.attention(q, k, v, None, mask, return_lse=True)
@@ -84,6 +87,24 @@ def test_gluon_fully_masked_rows_and_blhd_views(dt, monkeypatch):
     assert_close_to_reference(out, lse, ref, ref_lse, dtype)
     assert torch.isneginf(lse[:, :, 300:601]).all() and (out[:, :, 300:601] == 0).all()
     assert _modules("gluon")
+
+
+@pytest.mark.parametrize("name", ["causal", "full"])
+def test_auto_tier_picks_the_wide_gluon_forward_for_long_sequences(name, monkeypatch):
+    """With no ATTNCC_TIER, head dim 64 runs the Gluon forward with three consumer warp groups from
+    8192 queries and keys (tiers.GLUON_PAYS), and the Triton tier's below."""
+    monkeypatch.delenv("ATTNCC_TIER", raising=False)
+    torch.manual_seed(11)
+    for L, tier in ((8192, "gluon"), (8191, "triton")):
+        score_mod, mask_mod = BUILDERS[name](1, 2, L, L, "cuda")
+        q, k, v = (torch.randn(1, 2, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = attncc.attention(q, k, v, score_mod, mask_mod, return_lse=True)
+        ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod)
+        assert_close_to_reference(out, lse, ref, ref_lse, torch.bfloat16)
+        variant = attncc.Variant(score_mod, mask_mod)
+        assert attncc.tiers.choose(variant, "cuda-sm90", "bfloat16", 64, 64, False, (q, k, v))[0] == tier
+        spec = attncc.spec.Spec("bfloat16", 64, 64, 1, "cuda-sm90", tier="gluon")
+        assert attncc.compile(variant).module("fwd", spec).WGS == 3
 
 
 def test_gluon_forward_feeds_the_backward(monkeypatch):

@@ -1,0 +1,84 @@
+"""Text patches of the rendered Gluon forward (templates/sm90/attn_fwd.py.jinja) that
+gluon_fwd_probe.py times against the kernel as rendered: name -> [(old text, new text)]. Each
+was measured on an H100 (benchmarks/gluon/NOTES.md); none is in the template.
+tests/test_gluon_tier.py checks that every old text still occurs once in the rendered kernels."""
+
+
+RESCALE = "gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)"
+
+
+def _emu_asm(pack):
+    """PTX for inline_asm_elementwise(pack=pack): outputs $0..$(pack-1), inputs $pack..; the last
+    element of each pack by a cubic (relative error 7.5e-5), exactly 0 below -126."""
+    hw = "".join(f"ex2.approx.f32 ${i}, ${pack + i};\n\t" for i in range(pack - 1))
+    x, out = f"${2 * pack - 1}", f"${pack - 1}"
+    return ("{\n\t.reg .f32 f, fl, r, p;\n\t.reg .b32 e, o;\n\t.reg .pred z;\n\t" + hw +
+            f"max.ftz.f32 f, {x}, 0fC2FE0000;\n\t"
+            "add.rm.ftz.f32 r, f, 0f4B400000;\n\t"  # 1.5 * 2^23 + floor(f): floor in the low bits
+            "sub.rn.ftz.f32 fl, r, 0f4B400000;\n\t"
+            "sub.rn.ftz.f32 f, f, fl;\n\t"  # the fraction, in [0, 1)
+            "fma.rn.ftz.f32 p, f, 0f3D9FCAB4, 0f3E677DF5;\n\t"
+            "fma.rn.ftz.f32 p, p, f, 0f3F322240;\n\t"
+            "fma.rn.ftz.f32 p, p, f, 0f3F7FFB14;\n\t"
+            "mov.b32 e, r;\n\tshl.b32 e, e, 23;\n\tmov.b32 o, p;\n\tadd.s32 o, o, e;\n\t"
+            f"setp.lt.f32 z, {x}, 0fC2FC0000;\n\tselp.b32 {out}, 0, o, z;\n\t}}")
+
+
+def _emu_patch(pack):
+    cons = ",".join(["=r"] * pack + ["r"] * pack)
+    fn = f"""
+
+@gluon.jit
+def _exp2_mix(x):
+    return gl.inline_asm_elementwise({_emu_asm(pack)!r}, "{cons}", [x], dtype=gl.float32, is_pure=True, pack={pack})
+"""
+    return [("\n\n@gluon.jit\ndef _softmax_step", fn + "\n\n@gluon.jit\ndef _softmax_step"),
+            ("    probs = gl.exp2(", "    probs = _exp2_mix(")]
+
+
+# name -> [(old text, new text)] applied to the rendered source
+PATCHES = {
+    "base": [],
+    "persistent": [("\nPERSISTENT = False", "\nPERSISTENT = True")],  # a program per SM (static order)
+    "single": [("\nPERSISTENT = True", "\nPERSISTENT = False")],  # a program per Q tile
+    # exp2 of one element in every PACK on the FMA pipes (a cubic for 2^frac, the integer part
+    # added to the exponent bits) and of the others on the MUFU: MUFU.EX2 issues 16 per clock per
+    # SM, which at head dim 64 is as slow as the tensor cores' part of a step (measured 15-20 % slower)
+    "exp-emu4": _emu_patch(4),
+    "exp-emu8": _emu_patch(8),
+    # FA3/FA4's warp scheduler: the GEMM turn passes over hardware named barriers (bar.sync by the
+    # warp group taking it, bar.arrive by the one passing it: 256 threads each) instead of mbarriers
+    # (Gluon's arrive syncs the warp group first, its wait is a try-wait loop); measured no different
+    "named-turn": [
+        ("""    if WG == 0:
+        mbarrier.wait(p.sched.index(0), (turn & 1) ^ 1)
+    else:
+        mbarrier.wait(p.sched.index(WG), turn & 1)
+""", "".join(f"""    {'if' if w == 0 else 'elif'} WG == {w}:
+        gl.inline_asm_elementwise("bar.sync {12 + w}, 256;\\n\\tmov.u32 $0, 0;", "=r,r", [turn], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+""" for w in range(3))),
+        ("""    mbarrier.arrive(p.sched.index((WG + 1) % p.WGS), count=1)  # round robin
+""", """    NEXT: gl.constexpr = (WG + 1) % p.WGS
+""" + "".join(f"""    {'if' if w == 0 else 'elif'} NEXT == {w}:
+        gl.inline_asm_elementwise("bar.arrive {12 + w}, 256;\\n\\tmov.u32 $0, 0;", "=r,r", [gl.program_id(0)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+""" for w in range(3))),
+        ("""    g0 = 0  # ring position of the tile's first key tile
+""", """    if WG == p.WGS - 1:  # warp group 0 takes the first turn
+        gl.inline_asm_elementwise("bar.arrive 12, 256;\\n\\tmov.u32 $0, 0;", "=r,r", [gl.program_id(0)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    g0 = 0  # ring position of the tile's first key tile
+"""),
+    ],
+    # FA3's order: O is rescaled by the previous tile's alpha right before its P V is issued (while
+    # S = Q K^T runs), not after the P V wait; measured no different
+    "rescale-early": [
+        ("    mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n    o = o * %s\n" % RESCALE,
+         "    mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n"),
+        ("    mbarrier.wait(p.v_ready.index(v_slot), ((g - 1) // p.STAGES) & 1)\n",
+         "    o = o * %s\n    mbarrier.wait(p.v_ready.index(v_slot), ((g - 1) // p.STAGES) & 1)\n" % RESCALE),
+        ("        mbarrier.wait(p.v_ready.index(v_slot), (gv // STAGES) & 1)\n",
+         "        o = o * %s\n        mbarrier.wait(p.v_ready.index(v_slot), (gv // STAGES) & 1)\n" % RESCALE),
+    ],
+}

@@ -1,0 +1,90 @@
+"""Probe the Gluon forward (templates/sm90/attn_fwd.py.jinja) on a Hopper GPU: render it for a
+variant, apply text patches of its launcher's knobs, and time each patched kernel against the
+unpatched one and the Triton tier's forward in one process (do_bench medians, bf16), with the
+largest error of each output against the Triton tier's.
+
+    python benchmarks/gluon/gluon_fwd_probe.py [--shapes BxHxNxD,...] [--only full,causal] [--patches base,rescale-early]
+        [--rep MS] [--rounds R]
+
+The kernel is what the plan renders for the variant (three consumer warp groups where
+plan.wide_forward grants them); the patches below are the ones measured (benchmarks/gluon/NOTES.md).
+"""
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fwd_patches import PATCHES  # noqa: E402 - beside this file
+from variants import make_cases  # noqa: E402
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="4x32x4096x64,1x32x16384x64")
+    p.add_argument("--only", default="full,causal,sliding_window_1024")
+    p.add_argument("--patches", default="base")
+    p.add_argument("--rep", type=int, default=200, help="do_bench time per measurement, ms")
+    p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times "
+                   "and keep each one's median (the H100's clock moves with its power draw)")
+    args = p.parse_args()
+    import attncc
+    from attncc import codegen, plan, runtime
+    from attncc.spec import Spec
+    from triton.testing import do_bench
+    folder, rows = tempfile.mkdtemp(), []
+    patches = args.patches.split(",")
+    for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
+        B, H, N, D = shape
+        cases = make_cases(H, N, "cuda")
+        for name in args.only.split(","):
+            case = cases[name]
+            variant = attncc.Variant(case.score_mod, case.mask_mod)
+            text = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", D, D, case.gqa, "cuda-sm90",
+                                                                            tier="gluon"), variant.captures))
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, H // case.gqa, N, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            caps = [c.tensor for c in variant.captures]
+            os.environ["ATTNCC_TIER"] = "triton"
+            kernel = attncc.compile(variant)
+            want = kernel(q, k, v, enable_gqa=case.gqa > 1)
+            fns = {"triton": lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)}
+            os.environ.pop("ATTNCC_TIER")
+            errors = {}
+            for patch in patches:
+                src = text
+                for old, new in [edit for part in patch.split("+") for edit in PATCHES[part]]:
+                    if old in src:
+                        src = src.replace(old, new)
+                    elif not old.startswith("\nPERSISTENT"):  # the persistence patches may find their flag set
+                        raise SystemExit(f"patch {patch}: text not found: {old!r}")
+                path = Path(folder) / f"fwd_{name}_{patch}_d{D}_g{case.gqa}_{N}.py"
+                path.write_text(src)
+                module = runtime.load(path, False, src)
+                out = torch.full_like(q, float("nan"))
+                lse = torch.empty(B, H, N, device="cuda")
+                fn = fns[patch] = lambda m=module, o=out, l=lse: m.launch(q, k, v, o, l, caps, D ** -0.5)  # noqa: E731
+                fn()
+                err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                errors[patch] = float("nan") if err != err else err
+            samples = {key: [] for key in fns}
+            for _ in range(args.rounds):
+                for key, fn in fns.items():
+                    samples[key].append(do_bench(fn, warmup=25, rep=args.rep, return_mode="median"))
+            times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
+            tri = times.pop("triton")
+            print(name, shape, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()),
+                  flush=True)
+            rows.append((name, "x".join(map(str, shape)), tri, times, errors))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward ms (do_bench median)\n")
+    print("| variant | shape | triton tier | " + " | ".join(patches) + " |")
+    print("|---|---|--:|" + "--:|" * len(patches))
+    for name, shape, tri, times, errors in rows:
+        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f} ({errors[p]:.0e})" for p in patches) + " |")
+
+
+if __name__ == "__main__":
+    main()
