@@ -4,6 +4,7 @@ each patched kernel against the unpatched one and the Triton tier's backward (do
 bf16). Patched kernels compute wrong gradients where a patch drops work: they are timings only.
 
     python benchmarks/gluon/gluon_bwd_probe.py [--shapes BxHxNxD,...] [--only full,causal]
+        [--patches base,dq-scale-late] [--rep MS] [--rounds R]
 """
 import argparse
 import os
@@ -40,6 +41,8 @@ def main():
     p.add_argument("--only", default="full,causal")
     p.add_argument("--patches", default=",".join(PATCHES))
     p.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
+    p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times "
+                   "and keep each one's median (the H100's clock moves with its power draw)")
     args = p.parse_args()
     import attncc
     from triton.testing import do_bench
@@ -62,10 +65,9 @@ def main():
             os.environ["ATTNCC_TIER"] = "triton"
             o2 = attncc.attention(qt, kt, vt, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1)
             want = torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)
-            tri = do_bench(lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True), warmup=25, rep=args.rep,
-                           return_mode="median")
+            fns = {"triton": lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)}
             os.environ.pop("ATTNCC_TIER")
-            times, errors = {}, {}
+            errors = {}
             for patch in args.patches.split(","):
                 src = text
                 for old, new in [edit for part in patch.split("+") for edit in PATCHES[part]]:
@@ -73,13 +75,19 @@ def main():
                     src = src.replace(old, new)
                 module = load(src, f"{name}_{patch}_d{D}_g{case.gqa}", folder)  # one module name per source
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-                fn = lambda: module.launch(q, k, v, out, lse, do, None, *grads, caps, [], scale)  # noqa: E731
+                fn = fns[patch] = lambda m=module, gs=grads: m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale)  # noqa: E731
                 fn()
                 # the largest error of dq, dk, dv against the Triton tier's, relative to its largest gradient
                 errs = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(grads, want)]
                 errors[patch] = float("nan") if any(e != e for e in errs) else max(errs)
-                times[patch] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
-                print(name, shape, patch, f"{times[patch]:.3f} ms, error {errors[patch]:.1e}", flush=True)
+            samples = {key: [] for key in fns}
+            for _ in range(args.rounds):
+                for key, fn in fns.items():
+                    samples[key].append(do_bench(fn, warmup=25, rep=args.rep, return_mode="median"))
+            times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
+            tri = times.pop("triton")
+            print(name, shape, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()),
+                  flush=True)
             rows.append((name, "x".join(map(str, shape)), tri, times, errors))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, backward ms (do_bench median)\n")
     patches = args.patches.split(",")
