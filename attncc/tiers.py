@@ -27,7 +27,7 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 #        interleaved runs): 1x32x16384 full 4.94 / 4.80, causal 2.65 / 2.35, GQA 4:1 causal
 #        2.60 / 2.42, prefix-LM 2.66 / 2.37; 2x32x8192 full 2.37 / 2.32, causal 1.38 / 1.31, GQA
 #        1.38 / 1.31; at 4x32x4096 it loses (causal 0.74 / 0.75, GQA 0.71 / 0.75, prefix-LM
-#        0.73 / 0.77): a program of 192 query rows has few key tiles to amortise its start on
+#        0.73 / 0.77): at 4k a program of 192 query rows has too few key tiles to amortise its start
 GLUON_PAYS = {128: 0, 64: 8192}
 # Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->

@@ -32,7 +32,7 @@ def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: b
     key tiles of 128, two K/V stages at head dim 128 and three at 64, as measured
     (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower); two consumer
     warp groups (num_warps 8), or three (12: FA3/FA4's 192-row tile) with ``three_groups``, which
-    plan.three_groups grants at head dim 64 where their 160 registers hold the softmax (H100,
+    plan.wide_forward grants at head dim 64 where their 160 registers hold the softmax (H100,
     1x32x16384x64 against two: full 4.63 vs 5.00 ms, causal 2.35-2.55 vs 2.63-3.02; ALiBi 4.45
     vs 3.13, spilling).
     Backward (FA3's sm90 shapes): 64 K/V rows per consumer warp group (two per program), two

@@ -347,4 +347,3 @@ def test_forward_probe_patches_still_apply():
                 for old, _ in edits:
                     if not old.startswith("\nPERSISTENT"):  # those two set the flag either way
                         assert source.count(old) == 1, (name, d, patch, old[:80], source.count(old))
-
