@@ -1,6 +1,7 @@
 """Text patches of the rendered Gluon forward (templates/sm90/attn_fwd.py.jinja) that
 gluon_fwd_probe.py times against the kernel as rendered: name -> [(old text, new text)]. Each
-was measured on an H100 (benchmarks/gluon/NOTES.md); none is in the template.
+was measured on an H100 (benchmarks/gluon/NOTES.md) unless its comment says it waits for a GPU;
+none is in the template.
 tests/test_gluon_tier.py checks that every old text still occurs once in the rendered kernels."""
 
 
@@ -80,5 +81,14 @@ PATCHES = {
          "    o = o * %s\n    mbarrier.wait(p.v_ready.index(v_slot), ((g - 1) // p.STAGES) & 1)\n" % RESCALE),
         ("        mbarrier.wait(p.v_ready.index(v_slot), (gv // STAGES) & 1)\n",
          "        o = o * %s\n        mbarrier.wait(p.v_ready.index(v_slot), (gv // STAGES) & 1)\n" % RESCALE),
+    ],
+    # waits for a GPU: ptxas puts the P V wait above the whole softmax (benchmarks/gluon/wait_order.py);
+    # a wgmma.fence threaded through each probability before the wait keeps 32-58 of the 66 exp2
+    # of a head-dim-128 key step under the P V in the SASS (0 without), at 64 WARPGROUP.ARRIVEs
+    "fence-probs": [
+        ("    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n",
+         '    probs = gl.inline_asm_elementwise("wgmma.fence.sync.aligned;\\n\\tmov.b32 $0, $1;", "=r,r", [probs], dtype=gl.float32,\n'
+         "                                      is_pure=False, pack=1)\n"
+         "    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n"),
     ],
 }
