@@ -13,6 +13,7 @@ import argparse
 import os
 import re
 import subprocess
+import tempfile
 
 import torch
 import triton
@@ -69,7 +70,7 @@ def main():
     options, signature, constexprs, attrs = key_loop._pack_args(backend, kwargs, bound, spec, options)
     compiled = triton.compile(GluonASTSource(key_loop, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 128),
                               options=options.__dict__)
-    path = "/tmp/wait_order.cubin"
+    path = os.path.join(tempfile.mkdtemp(), "wait_order.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
