@@ -240,13 +240,18 @@ def _cap_grad(g, j, printer_) -> CapGrad:
     return CapGrad(g.capture, f"dcap{j}", offset, mask, reduce, diag_offset, diag_mask)
 
 
-def forward_mask_class(analysis: Analysis) -> str:
+def _mask_class(facts, fwd_bounds) -> str:
     """'none' (no mask), 'banded' (the keys a query tile reaches start past 0 for some tiles, like a
-    sliding window's) or 'masked': build's mask_class of a forward, for attncc.tiers."""
+    sliding window's) or 'masked', from the queries-outer tile bounds (None: not derived)."""
+    return ("none" if facts.mask_trivial else
+            "banded" if fwd_bounds is not None and fwd_bounds.reach_first is not None else "masked")
+
+
+def forward_mask_class(analysis: Analysis) -> str:
+    """build's mask_class of a forward, for attncc.tiers."""
     if analysis.facts.mask_trivial:
         return "none"
-    reach = bounds_pass.derive(analysis.mask, Q, KV, Q_LO, Q_HI).reach.first
-    return "masked" if reach in (sp.oo, -sp.oo) else "banded"
+    return _mask_class(analysis.facts, _tile_range(analysis.mask, Q, KV, Q_LO, Q_HI, printer.TritonPrinter((), False)))
 
 
 def wide_forward(facts, mask_class: str, head_dim: int) -> bool:
@@ -315,8 +320,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     block_sparse = bool(f.captures_in_mask)
     whole_tiles = "attn_bwd_dkdv" not in tile_bounds or not tile_bounds["attn_bwd_dkdv"].full_empty
     fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
-    mask_class = ("none" if f.mask_trivial else
-                  "banded" if fwd_bounds is not None and fwd_bounds.reach_first is not None else "masked")
+    mask_class = _mask_class(f, fwd_bounds)
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)

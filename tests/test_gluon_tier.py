@@ -312,38 +312,33 @@ def test_gluon_dq_accumulator_order(d, lq, name, tmp_path):
     assert torch.equal(dq, want)
 
 
-def test_probe_patches_still_apply():
-    """benchmarks/gluon/gluon_bwd_probe.py times text patches of the rendered Gluon backward: each
-    old text must occur exactly once in the full and the causal kernel, or the probe measures a
-    patch that did nothing (or fails on the GPU, after its compile time)."""
+def _assert_patches_apply(table, kernel, head_dims, optional=()):
+    """Each old text of benchmarks/gluon/<table>.py occurs exactly once in the rendered full and
+    causal Gluon kernels at these head dims (texts starting with one of `optional` excepted)."""
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon" / "bwd_patches.py"
-    spec = importlib.util.spec_from_file_location("bwd_patches", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon" / f"{table}.py"
+    spec = importlib.util.spec_from_file_location(table, path)
     patches = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(patches)
     for name in ("full", "causal"):
         variant = _variant(name)
-        source = codegen.render(plan.build("bwd", variant.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90",
-                                                                         tier="gluon"), variant.captures))
-        for patch, edits in patches.PATCHES.items():
-            for old, _ in edits:
-                assert source.count(old) == 1, (name, patch, old[:80], source.count(old))
+        for d in head_dims:
+            source = codegen.render(plan.build(kernel, variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90",
+                                                                              tier="gluon"), variant.captures))
+            for patch, edits in patches.PATCHES.items():
+                for old, _ in edits:
+                    if not old.startswith(tuple(optional)):
+                        assert source.count(old) == 1, (name, d, patch, old[:80], source.count(old))
+
+
+def test_probe_patches_still_apply():
+    """benchmarks/gluon/gluon_bwd_probe.py times text patches of the rendered Gluon backward: each
+    old text must occur exactly once in the full and the causal kernel, or the probe measures a
+    patch that did nothing (or fails on the GPU, after its compile time)."""
+    _assert_patches_apply("bwd_patches", "bwd", (128, ))
 
 
 def test_forward_probe_patches_still_apply():
-    """The same for benchmarks/gluon/fwd_patches.py (gluon_fwd_probe.py's patches) of the rendered Gluon forward, at
-    both widths (two consumer warp groups at head dim 128, three at 64)."""
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon" / "fwd_patches.py"
-    spec = importlib.util.spec_from_file_location("fwd_patches", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    for name in ("full", "causal"):
-        variant = _variant(name)
-        for d in (128, 64):
-            source = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90",
-                                                                             tier="gluon"), variant.captures))
-            for patch, edits in probe.PATCHES.items():
-                for old, _ in edits:
-                    if not old.startswith("\nPERSISTENT"):  # those two set the flag either way
-                        assert source.count(old) == 1, (name, d, patch, old[:80], source.count(old))
+    """The same for gluon_fwd_probe.py's patches of the rendered Gluon forward, at both widths (two
+    consumer warp groups at head dim 128, three at 64); the persistence patches set a flag either way."""
+    _assert_patches_apply("fwd_patches", "fwd", (128, 64), optional=("\nPERSISTENT", ))

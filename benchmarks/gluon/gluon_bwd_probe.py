@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bwd_patches import PATCHES  # noqa: E402 - beside this file
+from probe_common import apply, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 
@@ -47,7 +48,6 @@ def main():
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
     import attncc
-    from triton.testing import do_bench
     rows = []
     folder = tempfile.mkdtemp()
     for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
@@ -69,10 +69,7 @@ def main():
             fns = {"triton": lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)}
             errors = {}
             for patch in args.patches.split(","):
-                src = text
-                for old, new in [edit for part in patch.split("+") for edit in PATCHES[part]]:
-                    assert old in src, (patch, old)
-                    src = src.replace(old, new)
+                src = apply(text, patch, PATCHES)
                 module = load(src, f"{name}_{patch}_d{D}_g{case.gqa}", folder)  # one module name per source
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
                 fn = fns[patch] = lambda m=module, gs=grads: m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale)  # noqa: E731
@@ -80,23 +77,11 @@ def main():
                 # the largest error of dq, dk, dv against the Triton tier's, relative to its largest gradient
                 errs = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(grads, want)]
                 errors[patch] = float("nan") if any(e != e for e in errs) else max(errs)
-            samples = {key: [] for key in fns}
-            for _ in range(args.rounds):
-                for key, fn in fns.items():
-                    samples[key].append(do_bench(fn, warmup=25, rep=args.rep, return_mode="median"))
-            times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
-            tri = times.pop("triton")
-            print(name, shape, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()),
-                  flush=True)
+            tri, times = time_cell(f"{name} {shape}", fns, errors, args.rounds, args.rep)
             rows.append((name, "x".join(map(str, shape)), tri, times, errors))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, backward ms (do_bench median)\n")
-    patches = args.patches.split(",")
-    print("Each patch: ms (the largest error of its dq, dk, dv against the Triton tier's, relative; NaN")
-    print("where it left a gradient unwritten). Patches that drop work are timings only.\n")
-    print("| variant | shape | triton tier | " + " | ".join(patches) + " |")
-    print("|---|---|--:|" + "--:|" * len(patches))
-    for name, shape, tri, times, errors in rows:
-        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f} ({errors[p]:.0e})" for p in patches) + " |")
+    print_table(rows, args.patches.split(","), "backward", [
+        "Each patch: ms (the largest error of its dq, dk, dv against the Triton tier's, relative; NaN",
+        "where it left a gradient unwritten). Patches that drop work are timings only.\n"])
 
 
 if __name__ == "__main__":

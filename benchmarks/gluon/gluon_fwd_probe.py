@@ -7,7 +7,7 @@ largest error of each output against the Triton tier's.
         [--rep MS] [--rounds R]
 
 The kernel is what the plan renders for the variant (three consumer warp groups where
-plan.wide_forward grants them); the patches below are the ones measured (benchmarks/gluon/NOTES.md).
+plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md).
 """
 import argparse
 import os
@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwd_patches import PATCHES  # noqa: E402 - beside this file
+from probe_common import apply, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 def main():
@@ -35,7 +36,6 @@ def main():
     import attncc
     from attncc import codegen, plan, runtime
     from attncc.spec import Spec
-    from triton.testing import do_bench
     folder, rows = tempfile.mkdtemp(), []
     patches = args.patches.split(",")
     for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
@@ -55,12 +55,7 @@ def main():
             fns = {"triton": lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)}
             errors = {}
             for patch in patches:
-                src = text
-                for old, new in [edit for part in patch.split("+") for edit in PATCHES[part]]:
-                    if old in src:
-                        src = src.replace(old, new)
-                    elif not old.startswith("\nPERSISTENT"):  # the persistence patches may find their flag set
-                        raise SystemExit(f"patch {patch}: text not found: {old!r}")
+                src = apply(text, patch, PATCHES, optional=("\nPERSISTENT", ))  # the render may have set the flag
                 path = Path(folder) / f"fwd_{name}_{patch}_d{D}_g{case.gqa}_{N}.py"
                 path.write_text(src)
                 module = runtime.load(path, False, src)
@@ -70,20 +65,9 @@ def main():
                 fn()
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 errors[patch] = float("nan") if err != err else err
-            samples = {key: [] for key in fns}
-            for _ in range(args.rounds):
-                for key, fn in fns.items():
-                    samples[key].append(do_bench(fn, warmup=25, rep=args.rep, return_mode="median"))
-            times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
-            tri = times.pop("triton")
-            print(name, shape, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()),
-                  flush=True)
+            tri, times = time_cell(f"{name} {shape}", fns, errors, args.rounds, args.rep)
             rows.append((name, "x".join(map(str, shape)), tri, times, errors))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward ms (do_bench median)\n")
-    print("| variant | shape | triton tier | " + " | ".join(patches) + " |")
-    print("|---|---|--:|" + "--:|" * len(patches))
-    for name, shape, tri, times, errors in rows:
-        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f} ({errors[p]:.0e})" for p in patches) + " |")
+    print_table(rows, patches, "forward")
 
 
 if __name__ == "__main__":

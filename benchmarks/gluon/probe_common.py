@@ -1,0 +1,40 @@
+"""What gluon_fwd_probe.py and gluon_bwd_probe.py share: applying a patch table's text edits to a
+rendered kernel, timing a cell's kernels in turn, and the closing table."""
+import torch
+
+
+def apply(text, patch, table, optional=()):
+    """text with the edits of `patch` ("a+b" joins table entries) applied; an old text that does not
+    occur stops the probe, unless it starts with one of `optional` (a flag the render may have set)."""
+    for old, new in [edit for part in patch.split("+") for edit in table[part]]:
+        if old in text:
+            text = text.replace(old, new)
+        elif not old.startswith(tuple(optional)):
+            raise SystemExit(f"patch {patch}: text not found: {old!r}")
+    return text
+
+
+def time_cell(label, fns, errors, rounds, rep):
+    """Medians of do_bench over `rounds` turns of every kernel of a cell (fns["triton"] is the
+    baseline; the H100's clock moves with its power draw, so the kernels are timed in turn), printed
+    with each patch's error: (the baseline's ms, {patch: ms})."""
+    from triton.testing import do_bench
+    samples = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            samples[key].append(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+    times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
+    tri = times.pop("triton")
+    print(label, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()), flush=True)
+    return tri, times
+
+
+def print_table(rows, patches, what, notes=()):
+    """rows: (variant, shape, baseline ms, {patch: ms}, {patch: error}) per cell."""
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {what} ms (do_bench median)\n")
+    for line in notes:
+        print(line)
+    print("| variant | shape | triton tier | " + " | ".join(patches) + " |")
+    print("|---|---|--:|" + "--:|" * len(patches))
+    for name, shape, tri, times, errors in rows:
+        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f} ({errors[p]:.0e})" for p in patches) + " |")
