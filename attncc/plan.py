@@ -107,6 +107,25 @@ def _tile_range(mask, outer, inner, lo, hi, printer_) -> TileRange:
 
 
 @dataclass(frozen=True)
+class RowKeep:
+    """mask_mod as an interval of the inner index for each outer index (bounds_pass.row_interval),
+    in Triton text over the outer index: its first index and one past its last (None: unbounded)."""
+    first: str | None
+    end: str | None
+    text: str  # the interval as math, for a comment
+
+
+def _row_keep(mask, outer, inner, printer_) -> RowKeep | None:
+    iv = bounds_pass.row_interval(mask, outer, inner)
+    if iv is None:
+        return None
+    big = {sp.oo: sp.Integer(2**30), -sp.oo: sp.Integer(-2**30)}  # +-oo inside expressions, as int32
+    return RowKeep(None if iv.first == -sp.oo else printer_.doprint(iv.first.xreplace(big)),
+                   None if iv.last == sp.oo else printer_.doprint((iv.last + 1).xreplace(big)),
+                   f"{iv.first}, {iv.last}")
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     kernel: str           # "fwd" or "bwd": which template
     attncc_version: str
@@ -168,6 +187,9 @@ class KernelPlan:
     # the template set (attncc.tiers): "triton" (templates/) or "gluon" (templates/sm90/: the
     # forward and the backward, their mods printed in Gluon's language)
     tier: str = "triton"
+    # Gluon tier: mask_mod as each outer index's interval of the inner one (None: not one), which the
+    # masked steps test with two compares a score (attn_fwd: keys per query; attn_bwd: queries per key)
+    row_keep: RowKeep | None = None
 
     @property
     def runtime_ints(self):
@@ -355,7 +377,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         tma=tma, ws=ws, ws_kv=ws_limit,
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short,
-        pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton")
+        pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton",
+        row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None)
 
 
 def _tiled(fns) -> list:

@@ -64,6 +64,51 @@ def test_bounds_are_tight_for_causal_and_window():
     assert (tb.full.first, tb.full.last) == (HI - 6, LO)
 
 
+# masks each of whose rows is one interval of the other index, which row_interval must find
+ROW_INTERVALS = {"causal", "sliding", "prefix_lm", "not_greater", "bottom_right", "band_scaled", "diagonal",
+                 "query_rows_only", "per_head_window"}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+@pytest.mark.parametrize("outer", ["q", "kv"])
+def test_row_interval_is_exact_or_none(name, outer):
+    """row_interval (the Gluon kernels' masked steps compare each score's index with its row's
+    ends instead of evaluating mask_mod) holds exactly the indices the mask keeps, or is None."""
+    fn = MASKS[name]
+    o, i = (Q, KV) if outer == "q" else (KV, Q)
+    iv = bounds.row_interval(attncc.Variant(mask_mod=fn).analysis.mask, o, i)
+    if iv is None:
+        assert name not in ROW_INTERVALS, (name, outer)
+        return
+    for h in range(4):
+        for x in range(0, 40):
+            first, last = (_value(e, {o: x, H: h}) for e in (iv.first, iv.last))
+            for inner in range(-3, 50):
+                qq, kk = (x, inner) if outer == "q" else (inner, x)
+                keeps = bool(fn(0, h, torch.tensor(qq), torch.tensor(kk)))
+                assert keeps == (first <= inner <= last), (name, outer, h, x, inner, iv)
+
+
+def test_gluon_plans_mask_by_row_ends():
+    """The Gluon kernels' masked steps take the row interval where there is one, in terms of their
+    outer index, and keep mask_mod's expression where there is none."""
+    from attncc import codegen, plan
+    from attncc.spec import Spec
+    spec = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon")
+    window = attncc.Variant(mask_mod=MASKS["sliding"])
+    fwd = plan.build("fwd", window.analysis, spec)
+    bwd = plan.build("bwd", window.analysis, spec)
+    assert (fwd.row_keep.first, fwd.row_keep.end) == ("q_idx - 6", "q_idx + 1")
+    assert (bwd.row_keep.first, bwd.row_keep.end) == ("kv_idx", "kv_idx + 7")
+    assert "(kv_idx >= q_idx - 6) & (kv_idx < gl.minimum(q_idx + 1, p.N_CTX_KV))" in codegen.render(fwd)
+    assert "q_first = gl.zeros_like(kv_idx) + (kv_idx)" in codegen.render(bwd)
+    dilated = attncc.Variant(mask_mod=MASKS["dilated_causal"])
+    for kernel in ("fwd", "bwd"):
+        p = plan.build(kernel, dilated.analysis, spec)
+        assert p.row_keep is None and "keep = " in codegen.render(p)
+    assert plan.build("fwd", window.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90")).row_keep is None
+
+
 def test_full_tiles_of_an_or_with_a_condition_on_the_outer_index():
     """Prefix-LM from a K/V tile: a tile inside the prefix is attended by every query, so the dK/dV
     loop runs no mask code on it; past the prefix, queries from the tile's last key on. The join

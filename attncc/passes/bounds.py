@@ -178,3 +178,16 @@ def derive(mask, outer, inner, lo, hi) -> TileBounds:
     """Reach and full intervals along ``inner`` for outer indices in [lo, hi]."""
     return TileBounds(interval(mask, outer, inner, lo, hi, forall=False),
                       interval(mask, outer, inner, lo, hi, forall=True))
+
+
+def row_interval(mask, outer, inner) -> Interval | None:
+    """The inner indices ``mask`` keeps for one outer index, as an interval in terms of ``outer``,
+    where that set is exactly the interval; else None (a comparison that is not linear, ``!=``,
+    an ``|`` of parts apart). Derived for the one-index tile [outer, outer]: reach only widens the
+    true set and full only narrows it, so where both give the same interval it is the set itself.
+    A kernel then masks a score with two compares of its inner index against its row's ends
+    (sliding window: ``kv_idx >= q_idx - 1023``, ``kv_idx < q_idx + 1``) instead of the mask's
+    own expression."""
+    tb = derive(mask, outer, inner, outer, outer)
+    return tb.reach if tb.reach == tb.full else None
+

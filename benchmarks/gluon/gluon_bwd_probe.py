@@ -7,6 +7,7 @@ bf16). Patched kernels compute wrong gradients where a patch drops work: they ar
         [--patches base,dq-scale-late] [--rep MS] [--rounds R]
 """
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -16,17 +17,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bwd_patches import PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, print_table, time_cell  # noqa: E402
+from probe_common import apply, plan_edits, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 
-def render(case, D, group):
+def render(case, D, group, edits=None):
     import attncc
     from attncc import codegen, plan
     from attncc.spec import Spec
     variant = attncc.Variant(case.score_mod, case.mask_mod)
     spec = Spec("bfloat16", D, D, group, "cuda-sm90", tier="gluon")
-    return variant, codegen.render(plan.build("bwd", variant.analysis, spec, variant.captures))
+    return variant, codegen.render(dataclasses.replace(plan.build("bwd", variant.analysis, spec, variant.captures),
+                                                       **(edits or {})))
 
 
 def load(text, name, folder):
@@ -69,7 +71,7 @@ def main():
             fns = {"triton": lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)}
             errors = {}
             for patch in args.patches.split(","):
-                src = apply(text, patch, PATCHES)
+                src = apply(render(case, D, case.gqa, plan_edits(patch))[1] if plan_edits(patch) else text, patch, PATCHES)
                 module = load(src, f"{name}_{patch}_d{D}_g{case.gqa}", folder)  # one module name per source
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
                 fn = fns[patch] = lambda m=module, gs=grads: m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale)  # noqa: E731

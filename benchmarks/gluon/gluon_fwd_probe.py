@@ -10,6 +10,7 @@ The kernel is what the plan renders for the variant (three consumer warp groups 
 plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md).
 """
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwd_patches import PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, print_table, time_cell  # noqa: E402
+from probe_common import apply, plan_edits, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 def main():
@@ -44,8 +45,8 @@ def main():
         for name in args.only.split(","):
             case = cases[name]
             variant = attncc.Variant(case.score_mod, case.mask_mod)
-            text = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", D, D, case.gqa, "cuda-sm90",
-                                                                            tier="gluon"), variant.captures))
+            fwd_plan = plan.build("fwd", variant.analysis, Spec("bfloat16", D, D, case.gqa, "cuda-sm90", tier="gluon"),
+                                  variant.captures)
             g = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(B, H // case.gqa, N, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -55,6 +56,7 @@ def main():
             fns = {"triton": lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)}
             errors = {}
             for patch in patches:
+                text = codegen.render(dataclasses.replace(fwd_plan, **plan_edits(patch)))
                 src = apply(text, patch, PATCHES, optional=("\nPERSISTENT", ))  # the render may have set the flag
                 path = Path(folder) / f"fwd_{name}_{patch}_d{D}_g{case.gqa}_{N}.py"
                 path.write_text(src)

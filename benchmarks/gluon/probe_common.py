@@ -3,10 +3,22 @@ rendered kernel, timing a cell's kernels in turn, and the closing table."""
 import torch
 
 
+# patches that are edits of the plan (dataclasses.replace) rather than of the rendered text
+PLAN_PATCHES = {
+    "mask-expr": {"row_keep": None},  # masked steps evaluate mask_mod's expression, not two compares with row ends
+}
+
+
+def plan_edits(patch):
+    """The plan fields `patch` replaces before rendering."""
+    return {k: v for part in patch.split("+") for k, v in PLAN_PATCHES.get(part, {}).items()}
+
+
 def apply(text, patch, table, optional=()):
     """text with the edits of `patch` ("a+b" joins table entries) applied; an old text that does not
     occur stops the probe, unless it starts with one of `optional` (a flag the render may have set)."""
-    for old, new in [edit for part in patch.split("+") for edit in table[part]]:
+    parts = [part for part in patch.split("+") if part not in PLAN_PATCHES]
+    for old, new in [edit for part in parts for edit in table[part]]:
         if old in text:
             text = text.replace(old, new)
         elif not old.startswith(tuple(optional)):
