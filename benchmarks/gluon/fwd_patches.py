@@ -38,8 +38,17 @@ def _exp2_mix(x):
 
 
 # name -> [(old text, new text)] applied to the rendered source
+_PAIRS = ('gl.convert_layout(gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [probs], '
+          'dtype=gl.bfloat16, is_pure=True, pack=2), p_layout)')
 PATCHES = {
     "base": [],
+    # P rounded to bf16 a pair of columns at a time (one cvt.rn.bf16x2 a register of the P V product's
+    # A operand) instead of one by one, which ptxas pairs in the opposite order and swaps back (64 PRMT
+    # a key step at head dim 128: 536 -> 485 instructions). H100, in turn, ms base / cvt-pairs: full
+    # 1x16x16384x128 3.432 / 3.556, causal 1.744 / 1.809; 1x32x16384x64 full 4.513 / 4.132 (fewer
+    # spills), causal 2.259 / 2.297: not kept
+    "cvt-pairs": [("    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n", f"    p_op = {_PAIRS}\n"),
+                  ("        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n", f"        p_op = {_PAIRS}\n")],
     "persistent": [("\nPERSISTENT = False", "\nPERSISTENT = True")],  # a program per SM (static order)
     "single": [("\nPERSISTENT = True", "\nPERSISTENT = False")],  # a program per Q tile
     # exp2 of one element in every PACK on the FMA pipes (a cubic for 2^frac, the integer part
