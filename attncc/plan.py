@@ -125,6 +125,24 @@ def _row_keep(mask, outer, inner, printer_) -> RowKeep | None:
                    f"{iv.first}, {iv.last}")
 
 
+def _keep_by_rows(outputs: list, loop: set) -> list:
+    """outputs with mask_mod ("keep") written as each row's interval of the loop's index where it is
+    exactly one with plain ends (bounds_pass.row_interval): the ends are computed once a row and each
+    score costs two compares (sliding window, keys per query: ``(kv_idx <= q_idx) & (kv_idx >= q_idx -
+    1023)`` for ``(q_idx >= kv_idx) & (kv_idx - q_idx > -1024)``, a subtraction a score fewer)."""
+    (inner,) = loop
+    outer = Q if inner == KV else KV
+    out = []
+    for label, e in outputs:
+        iv = bounds_pass.row_interval(e, outer, inner) if label == "keep" else None
+        if iv is not None and not any(x.has(sp.Piecewise) or (x.has(sp.oo, -sp.oo) and not x.is_infinite)
+                                      for x in (iv.first, iv.last)):
+            sides = ([inner >= iv.first] if iv.first != -sp.oo else []) + ([inner <= iv.last] if iv.last != sp.oo else [])
+            e = sp.And(*sides) if sides else e
+        out.append((label, e))
+    return out
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     kernel: str           # "fwd" or "bwd": which template
@@ -326,7 +344,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by TMA reduce-add)
         fns = {"attn_bwd_dkdv": {Q}} if gluon else {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
     tile_rows = not gluon and (interp or sm(spec.target) >= 80)  # row products as tl.dot: bf16 and tf32 want sm80+
-    mods = {fn: printer.emit(outputs, cap_info, loop, interp, lang, tile_rows) for fn, loop in fns.items() if loop}
+    mods = {fn: printer.emit(_keep_by_rows(outputs, loop), cap_info, loop, interp, lang, tile_rows)
+            for fn, loop in fns.items() if loop}
     row_dots = any("_row_dot(" in text for m in mods.values() for _, text in m.hoisted + m.body)
     tp = printer.TritonPrinter(cap_info, interp, lang)
     mask = analysis.mask

@@ -89,9 +89,10 @@ def test_row_interval_is_exact_or_none(name, outer):
                 assert keeps == (first <= inner <= last), (name, outer, h, x, inner, iv)
 
 
-def test_gluon_plans_mask_by_row_ends():
+def test_plans_mask_by_row_ends():
     """The Gluon kernels' masked steps take the row interval where there is one, in terms of their
-    outer index, and keep mask_mod's expression where there is none."""
+    outer index, and keep mask_mod's expression where there is none; the Triton tier's kernels print
+    mask_mod as the interval of their loop's index."""
     from attncc import codegen, plan
     from attncc.spec import Spec
     spec = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon")
@@ -106,7 +107,13 @@ def test_gluon_plans_mask_by_row_ends():
     for kernel in ("fwd", "bwd"):
         p = plan.build(kernel, dilated.analysis, spec)
         assert p.row_keep is None and "keep = " in codegen.render(p)
-    assert plan.build("fwd", window.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90")).row_keep is None
+    triton_fwd = plan.build("fwd", window.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90"))
+    triton_bwd = plan.build("bwd", window.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90"))
+    assert triton_fwd.row_keep is None
+    keep = lambda p, fn: dict(p.mods[fn].body)["keep"]  # noqa: E731
+    assert keep(triton_fwd, "attn_fwd") == keep(triton_bwd, "attn_bwd_dq") == "((kv_idx <= q_idx) & (kv_idx >= q_idx - 6))"
+    assert keep(triton_bwd, "attn_bwd_dkdv") == "((q_idx >= kv_idx) & (q_idx <= kv_idx + 6))"
+    assert "_floor_mod" in keep(plan.build("fwd", dilated.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90")), "attn_fwd")
 
 
 def test_full_tiles_of_an_or_with_a_condition_on_the_outer_index():

@@ -98,7 +98,7 @@ def _loop_split(src: str) -> tuple[str, str]:
 def test_snapshot_causal_mask_line():
     src = attncc.compile(attncc.Variant(mask_mod=causal_mask)).source("fwd", dtype=torch.float16, head_dim=64)
     _, loop = _loop_split(src)
-    assert re.search(r"^\s+keep = \(q_idx >= kv_idx\)$", loop, re.M), loop
+    assert re.search(r"^\s+keep = \(kv_idx <= q_idx\)$", loop, re.M), loop  # the loop index compared with its row's end
     assert re.search(r'^\s+qk = tl\.where\(col_ok & keep, qk, float\("-inf"\)\)', loop, re.M)
     # the identity score_mod folds the scale into exp2: no score tile is formed, and with a
     # positive scale the row max is taken on q.k and scaled once, p = exp2 of one FMA
@@ -113,7 +113,7 @@ def test_snapshot_alibi_hoists_slopes_load():
     assert load, f"slopes[h] is not loaded before the tile loop:\n{before}"
     assert "tl.load(cap0_ptr" not in loop, "slopes are (also) loaded inside the tile loop"
     assert re.search(rf"score_mod = .*\b{load.group(1)}\b", loop), "the loop does not use the hoisted slope"
-    assert "keep = (q_idx >= kv_idx)" in loop
+    assert "keep = (kv_idx <= q_idx)" in loop
     # the backward's distance is a float subtraction of position tiles converted once, not an
     # integer subtraction converted per score (the forward keeps the latter, see plan.build)
     bwd = _alibi_kernel().source("bwd", dtype=torch.float16, head_dim=64)

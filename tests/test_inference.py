@@ -329,7 +329,7 @@ def test_generated_inference_kernel_snapshot():
     before, loops = kernel.split("for start_n in range(full_lo, full_hi, BLOCK_N)")
     unmasked, last = loops.split("for start_n in range(full_hi, hi, BLOCK_N)")
     assert "tl.load(cap0_ptr + (h).to(tl.int64)" in before and "cap0_ptr" not in loops
-    assert "keep = (q_idx >= kv_idx)" in last and "keep" not in before
+    assert "keep = (kv_idx <= q_idx)" in last and "keep" not in before
     assert "keep" not in unmasked and "col_ok" not in unmasked
     assert "BLOCK_D=64, BLOCK_D2=16" in src and "GROUP=4" in src
     assert "h = h_kv * GROUP + (rows % GROUP)[:, None]" in kernel  # GQA packing: one K/V read per group
