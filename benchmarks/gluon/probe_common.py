@@ -5,7 +5,8 @@ import torch
 
 # patches that are edits of the plan (dataclasses.replace) rather than of the rendered text
 PLAN_PATCHES = {
-    "mask-expr": {"row_keep": None},  # masked steps evaluate mask_mod's expression, not two compares with row ends
+    # masked steps evaluate the printed mask (mods' "keep") and the length checks, not compares with row ends
+    "mask-expr": {"row_keep": None},
 }
 
 
