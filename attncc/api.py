@@ -205,6 +205,10 @@ class CompiledAttention:
             tb = bounds_pass.derive(a.mask, symbolic.Q, symbolic.KV, lo, hi)
             lines += [f"  a Q tile [q_lo, q_hi] reaches keys [{tb.reach.first}, {tb.reach.last}]",
                       f"  and attends every key in [{tb.full.first}, {tb.full.last}] (those tiles run without mask code)"]
+            row = bounds_pass.row_interval(a.mask, symbolic.Q, symbolic.KV)
+            lines += [f"  query q_idx keeps exactly the keys [{row.first}, {row.last}]: the other tiles compare each key"
+                      " with its row's ends" if row is not None else
+                      "  the other tiles evaluate mask_mod per score (its keys per query are not one interval)"]
         lines += ["", f"scale = {v.scale if v.scale is not None else '1/sqrt(head_dim)'}, dropout_p = {v.dropout_p}"]
         lines += ["", "Kernel tier (attncc.tiers; ATTNCC_TIER=auto|triton|gluon):"]
         for d in (128, 64):

@@ -199,6 +199,8 @@ def test_per_head_data_dependent_mask():
 def test_explain_shows_the_derived_tile_ranges():
     text = attncc.compile(attncc.Variant(mask_mod=MASKS["sliding"])).explain()
     assert "reaches keys [q_lo - 6, q_hi]" in text and "every key in [q_hi - 6, q_lo]" in text
+    assert "keeps exactly the keys [q_idx - 6, q_idx]" in text
+    assert "not one interval" in attncc.compile(attncc.Variant(mask_mod=MASKS["dilated_causal"])).explain()
     doc = torch.zeros(8, dtype=torch.long)
     text = attncc.compile(attncc.Variant(mask_mod=lambda b, h, q, k: doc[q] == doc[k])).explain()
     assert "block_classes" in text
