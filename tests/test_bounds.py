@@ -72,7 +72,7 @@ ROW_INTERVALS = {"causal", "sliding", "prefix_lm", "not_greater", "bottom_right"
 @pytest.mark.parametrize("name", sorted(MASKS))
 @pytest.mark.parametrize("outer", ["q", "kv"])
 def test_row_interval_is_exact_or_none(name, outer):
-    """row_interval (the Gluon kernels' masked steps compare each score's index with its row's
+    """row_interval (the kernels' masked steps compare each score's index with its row's
     ends instead of evaluating mask_mod) holds exactly the indices the mask keeps, or is None."""
     fn = MASKS[name]
     o, i = (Q, KV) if outer == "q" else (KV, Q)
