@@ -26,6 +26,9 @@ MASKS = {
     "xor_of_halves": lambda b, h, q, k: (q >= k) ^ (k < 3),
     "per_head_window": lambda b, h, q, k: (q >= k) & (q - k <= 2 * h + 1),
     "or_of_windows": lambda b, h, q, k: ((q >= k) & (q - k < 3)) | ((k >= q) & (k - q < 2)),
+    "symmetric_window": lambda b, h, q, k: (q - k).abs() <= 5,
+    "symmetric_window_strict": lambda b, h, q, k: 4 > torch.abs(k - q),
+    "outside_a_band": lambda b, h, q, k: (q - k).abs() > 3,
 }
 
 
@@ -66,7 +69,7 @@ def test_bounds_are_tight_for_causal_and_window():
 
 # masks each of whose rows is one interval of the other index, which row_interval must find
 ROW_INTERVALS = {"causal", "sliding", "prefix_lm", "not_greater", "bottom_right", "band_scaled", "diagonal",
-                 "query_rows_only", "per_head_window"}
+                 "query_rows_only", "per_head_window", "symmetric_window", "symmetric_window_strict"}
 
 
 @pytest.mark.parametrize("name", sorted(MASKS))
@@ -114,6 +117,25 @@ def test_plans_mask_by_row_ends():
     assert keep(triton_fwd, "attn_fwd") == keep(triton_bwd, "attn_bwd_dq") == "((kv_idx <= q_idx) & (kv_idx >= q_idx - 6))"
     assert keep(triton_bwd, "attn_bwd_dkdv") == "((q_idx >= kv_idx) & (q_idx <= kv_idx + 6))"
     assert "_floor_mod" in keep(plan.build("fwd", dilated.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90")), "attn_fwd")
+
+
+def test_symmetric_window_skips_tiles():
+    """abs(q_idx - kv_idx) <= w bounds the tiles like the band it is (it gave no bounds at all, so
+    every tile ran with the mask), and the kernels' results stay the reference's, forward and
+    backward, at an odd length with several tiles on each side of the band."""
+    fn = MASKS["symmetric_window"]
+    tb = bounds.derive(attncc.Variant(mask_mod=fn).analysis.mask, Q, KV, LO, HI)
+    assert (tb.reach.first, tb.reach.last, tb.full.first, tb.full.last) == (LO - 5, HI + 5, HI - 5, LO + 5)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 301, 16, requires_grad=True) for _ in range(3))
+    out = attncc.attention(q, k, v, mask_mod=fn)
+    ref = attncc.reference.attention(*(x.double() for x in (q, k, v)), mask_mod=fn)
+    assert (out.double() - ref).abs().max().item() < 1e-4
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(attncc.reference.attention(qd, kd, vd, mask_mod=fn), (qd, kd, vd), torch.ones_like(ref))
+    for g, w in zip(grads, want):
+        assert torch.isfinite(g).all() and (g.double() - w).abs().max().item() < 1e-3
 
 
 def test_full_tiles_of_an_or_with_a_condition_on_the_outer_index():

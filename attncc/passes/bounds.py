@@ -9,8 +9,9 @@ inner index (kv_idx):
 Both are intervals [first, last] of sympy expressions in the outer tile's bounds (and in b, h,
 or loads that read only them). They are derived from the mask's structure: each comparison
 that is linear in q_idx and kv_idx, ``a*outer + c*inner + d >= 0`` with numeric a and c,
-bounds the inner index by a half-line; ``&`` intersects, ``|`` joins, ``~`` is pushed into the
-comparisons. Anything else (a load of kv_idx, %, ==) gives no information: reach is
+bounds the inner index by a half-line (``|x| <= w`` counts as ``-w <= x <= w``); ``&``
+intersects, ``|`` joins, ``~`` is pushed into the comparisons. Anything else (a load of kv_idx,
+%, ==) gives no information: reach is
 everything and full is nothing, which is always safe. Intervals are conservative: reach may be
 too wide and full too narrow, never the opposite; the kernels still apply the mask on every
 tile outside ``full``.
@@ -147,6 +148,24 @@ def _negate(rel):
             sp.Equality: sp.Unequality, sp.Unequality: sp.Equality}[type(rel)](rel.lhs, rel.rhs)
 
 
+def _split_abs(rel):
+    """A comparison of |x| with a side free of |.| as comparisons of x (a symmetric window
+    ``abs(q_idx - kv_idx) <= w`` is the band ``-w <= q_idx - kv_idx <= w``); None for any other."""
+    lhs, rhs = rel.lhs, rel.rhs
+    if isinstance(lhs, sp.Abs) and not rhs.has(sp.Abs):
+        x, c, op = lhs.args[0], rhs, type(rel)
+    elif isinstance(rhs, sp.Abs) and not lhs.has(sp.Abs):  # c op |x|: |x| (op reversed) c
+        x, c = rhs.args[0], lhs
+        op = {sp.GreaterThan: sp.LessThan, sp.StrictGreaterThan: sp.StrictLessThan, sp.LessThan: sp.GreaterThan,
+              sp.StrictLessThan: sp.StrictGreaterThan, sp.Equality: sp.Equality, sp.Unequality: sp.Unequality}[type(rel)]
+    else:
+        return None
+    return {sp.LessThan: lambda: sp.And(x <= c, x >= -c), sp.StrictLessThan: lambda: sp.And(x < c, x > -c),
+            sp.GreaterThan: lambda: sp.Or(x >= c, x <= -c), sp.StrictGreaterThan: lambda: sp.Or(x > c, x < -c),
+            sp.Equality: lambda: sp.Or(sp.Eq(x, c), sp.Eq(x, -c)),
+            sp.Unequality: lambda: sp.And(sp.Ne(x, c), sp.Ne(x, -c))}[op]()
+
+
 def interval(mask, outer, inner, lo, hi, forall: bool, negate: bool = False) -> Interval:
     """Inner indices that satisfy ``mask`` for some / every outer index in [lo, hi]."""
     if mask in (sp.true, sp.false):
@@ -163,6 +182,9 @@ def interval(mask, outer, inner, lo, hi, forall: bool, negate: bool = False) -> 
             out = _intersect(out, p) if conj else _join(out, p, exact_only=forall)
         return out
     if mask.is_Relational:
+        split = _split_abs(mask) if mask.has(sp.Abs) else None
+        if split is not None:
+            return interval(split, outer, inner, lo, hi, forall, negate)
         rel = _negate(mask) if negate else mask
         gs = _normalize(rel)
         if gs is None:  # !=: two half-lines, the join of which says nothing useful
