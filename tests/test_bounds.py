@@ -29,6 +29,9 @@ MASKS = {
     "symmetric_window": lambda b, h, q, k: (q - k).abs() <= 5,
     "symmetric_window_strict": lambda b, h, q, k: 4 > torch.abs(k - q),
     "outside_a_band": lambda b, h, q, k: (q - k).abs() > 3,
+    "two_diagonals": lambda b, h, q, k: (q - k).abs() == 2,
+    "off_two_diagonals": lambda b, h, q, k: (k - q).abs() != 2,
+    "outside_or_on_a_band": lambda b, h, q, k: 3 <= (q - k).abs(),
 }
 
 
