@@ -2,10 +2,12 @@
 process (attncc.distributed.ThreadGroup, no torch.distributed), so the compiled kernels' global
 offset paths (mods, tile bounds, tile classes, dropout at Q_OFF / KV_OFF) are checked on the
 device in bf16 and fp16: out, lse and every gradient against single-GPU attncc on the whole
-sequence.
+sequence. On a machine with several GPUs, test_nccl_ranks_equal_single_gpu runs the same cases
+with one process per GPU under NCCL (2, 4 and 8 ranks, as many as there are GPUs).
 
     python -m pytest -m gpu -q tests/test_gpu_distributed.py
     python -m pytest -m gpu -q tests/test_gpu_distributed.py -k "causal-bf16"   # one variant, ~2 min
+    python -m pytest -m gpu -q tests/test_gpu_distributed.py -k nccl            # several GPUs only
 """
 from __future__ import annotations
 
@@ -59,13 +61,72 @@ def test_ranks_one_after_another_equal_single_gpu(name, dtype, world, layout, me
     want = _single(kernel, q, k, v, do, dl, learn, H != Hkv)
     got = ThreadGroup(world).run(lambda comm: _rank(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout,
                                                     method))[0]
+    _assert_matches(got, want, dtype, f"{name} {layout} {method} W={world}")
+
+
+def _assert_matches(got, want, dtype, what_run):
+    """Context-parallel results (out, lse, dq, dk, dv, capture gradients) against single-GPU attncc's."""
     for what, a, b in zip(NAMES, got, want):
         a, b = a.float(), b.float()
+        assert not a.isnan().any(), f"{what_run} {dtype}: {what} has NaN"
         if what == "lse":
             finite = torch.isfinite(b)
-            assert torch.equal(finite, torch.isfinite(a)), f"{what}: -inf rows differ"
-            assert (a[finite] - b[finite]).abs().max() < 2e-3, f"{what}: {(a - b)[finite].abs().max()}"
+            assert torch.equal(finite, torch.isfinite(a)), f"{what_run} {dtype}: {what}: -inf rows differ"
+            assert (a[finite] - b[finite]).abs().max() < 2e-3, f"{what_run} {dtype}: {what}: {(a - b)[finite].abs().max()}"
             continue
         err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
         tol = TOL[dtype] * (2 if what != "out" else 1)  # gradients sum W partials in float32 first
-        assert err < tol, f"{name} {layout} {method} W={world} {dtype}: {what} relative error {err:.2e} >= {tol}"
+        assert err < tol, f"{what_run} {dtype}: {what} relative error {err:.2e} >= {tol}"
+
+
+# Several GPUs: one process per GPU under NCCL (torch.multiprocessing, as test_distributed.py spawns
+# gloo ranks on the CPU), each rank on its own device, through kernel.context_parallel and autograd
+# as a training step runs it; rank 0 compares with single-GPU attncc on the whole sequence. Leave
+# NCCL's own settings as the machine has them (NVLink multicast off: NCCL_NVLS_ENABLE=0).
+WORLDS = [w for w in (2, 4, 8) if torch.cuda.is_available() and torch.cuda.device_count() >= w]
+RUN_ALL = tuple((layout, method) for layout in ("contiguous", "zigzag") for method in ("ring", "allgather"))
+
+
+def _nccl_worker(rank, world, port, cases):
+    import torch.distributed as dist
+
+    from attncc.distributed.comm import Comm
+    from test_distributed import _sharded
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=device)
+    failures = []
+    try:
+        comm = Comm()
+        L = 1024  # 8 ranks, zigzag: 16 chunks of 64 rows (dropout's 16 x 32 grid holds)
+        for name, dtype in cases:
+            dtype = DTYPES[dtype]
+            variant, H, Hkv, learn = _case(name, L, H=4, device=device)
+            kernel = attncc.compile(variant)
+            q, k, v, do, dl = _inputs(H, Hkv, L, batch=2, dim=128, dtype=dtype, device=device)
+            want = _single(kernel, q, k, v, do, dl, learn, H != Hkv) if rank == 0 else None
+            for layout, method in RUN_ALL:
+                got = _sharded(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout, method)
+                if rank == 0:
+                    try:
+                        _assert_matches(got, want, dtype, f"{name} {layout} {method} NCCL W={world}")
+                    except AssertionError as e:
+                        failures.append(str(e).splitlines()[0])
+    finally:
+        dist.destroy_process_group()
+    assert not failures, f"{len(failures)} context-parallel runs differ from single-GPU attncc:\n" + "\n".join(failures)
+
+
+@pytest.mark.skipif(not WORLDS, reason="needs at least two CUDA GPUs")
+@pytest.mark.parametrize("world", WORLDS or [2])
+def test_nccl_ranks_equal_single_gpu(world):
+    """Every variant of the CPU list in bf16 (those with code paths of their own in fp16 too), both
+    layouts, ring and all-gather, forward and backward, dropout: out, lse and every gradient."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_nccl_worker, args=(world, port, CASES), nprocs=world, join=True)
