@@ -11,7 +11,10 @@ Every rank builds the same whole q, k, v (same seed) and takes its shard. Times 
 figure runs the whole sequence on rank 0 while the others wait (skipped with --no-single or when
 it does not fit). tokens/s = batch * whole sequence length / time; scaling = one device's time /
 the group's; efficiency = scaling / ranks; rel. err: ||out - one device's out|| / ||one device's||
-of the forward (auto method), a check that the run computes the right thing.
+of the forward (auto method), a check that the run computes the right thing. On GPUs the
+one-device run is timed twice: with the tier attncc chooses (the efficiency's baseline) and with
+the Triton tier, which context_parallel's kernels use (their gap is not the scaling's).
+--json appends this run to a list in the file, so runs of 1, 2, 4 and 8 ranks gather in one.
 """
 from __future__ import annotations
 
@@ -68,6 +71,26 @@ def fwd_bwd(call, tensors, do):
     return run
 
 
+def one_device(variant, q, k, v, do, gqa, args, rank, device, tier=None):
+    """(fwd s, fwd+bwd s) of the whole sequence on rank 0 while the others wait at the barriers,
+    under ATTNCC_TIER=tier (None: as set), or None when it does not fit."""
+    old = os.environ.get("ATTNCC_TIER")
+    if tier is not None:
+        os.environ["ATTNCC_TIER"] = tier
+    try:
+        kernel = attncc.compile(variant)  # its own per-call decisions, taken under this tier
+        qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        call = lambda a, b, c: kernel(a, b, c, enable_gqa=gqa)  # noqa: E731
+        idle = lambda: None  # noqa: E731
+        return (timed((lambda: call(qf, kf, vf)) if rank == 0 else idle, args.iters, args.warmup, device),
+                timed(fwd_bwd(call, (qf, kf, vf), do) if rank == 0 else idle, args.iters, args.warmup, device))
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        if tier is not None:
+            os.environ.pop("ATTNCC_TIER") if old is None else os.environ.__setitem__("ATTNCC_TIER", old)
+
+
 def torch_cp_causal(q, k, v, do, args, device):
     """(fwd s, fwd+bwd s) of torch's context_parallel (SDPA, ring), or the reason it does not run."""
     try:
@@ -121,18 +144,11 @@ def main():
         if name not in args.variants.split(","):
             continue
         kernel = attncc.compile(variant)
-        single = None
+        single = single_triton = None
         if not args.no_single:
-            try:
-                qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
-                call = lambda a, b, c: kernel(a, b, c, enable_gqa=H != Hkv)  # noqa: E731
-                idle = lambda: None  # noqa: E731 - the other ranks wait at the barriers
-                single = (timed((lambda: call(qf, kf, vf)) if rank == 0 else idle, args.iters, args.warmup, device),
-                          timed(fwd_bwd(call, (qf, kf, vf), do) if rank == 0 else idle, args.iters, args.warmup,
-                                device))
-                del qf, kf, vf
-            except torch.OutOfMemoryError:
-                single = None
+            single = one_device(variant, q, k, v, do, H != Hkv, args, rank, device)
+            if GPU:  # context_parallel runs the Triton tier: this row tells its gap from the scaling's
+                single_triton = one_device(variant, q, k, v, do, H != Hkv, args, rank, device, tier="triton")
         with torch.no_grad():  # the result, checked against one device's on rank 0
             want = kernel(q, k, v, enable_gqa=H != Hkv) if rank == 0 else None
             got = unshard(kernel.context_parallel(qs, ks, vs, layout=args.layout, enable_gqa=H != Hkv), None,
@@ -144,7 +160,8 @@ def main():
                                                            enable_gqa=H != Hkv)
             f = timed(lambda: call(qs.detach(), ks.detach(), vs.detach()), args.iters, args.warmup, device)
             fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device)
-            rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single, err=err))
+            rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single,
+                             single_triton=single_triton, err=err))
         if name == "causal" and not args.no_torch_cp:
             res = torch_cp_causal(q, k, v, do, args, device)
             rows.append(dict(variant=name, system="torch context_parallel (SDPA)",
@@ -168,13 +185,16 @@ def main():
               f"{r['fwd_bwd_s'] * 1e3:9.2f} {tokens / r['fwd_bwd_s']:12,.0f} "
               f"{(f'{scale:.2f}x' if scale else '-'):>12s} {(f'{scale / world:.0%}' if scale else '-'):>6s} "
               f"{(format(r['err'], '.1e') if 'err' in r else '-'):>9s}")
-    singles = {r["variant"]: r["single"] for r in rows if r["single"]}
-    for name, (f, fb) in singles.items():
-        print(f"{name:16s} {'one device, whole sequence':32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} "
-              f"{tokens / fb:12,.0f}")
-    if args.json:
+    for key, what in (("single", "one device, whole sequence"), ("single_triton", "one device, Triton tier")):
+        for name, (f, fb) in {r["variant"]: r[key] for r in rows if r.get(key)}.items():
+            print(f"{name:16s} {what:32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} {tokens / fb:12,.0f}")
+    if args.json:  # one entry per run: runs of 1, 2, 4 and 8 ranks gather in one file
+        runs = json.load(open(args.json)) if os.path.exists(args.json) else []
+        runs.append(dict(world=world, backend="nccl" if GPU else "gloo", B=B, H=H, Hkv=Hkv, D=D, L=L,
+                         layout=args.layout, gpu=torch.cuda.get_device_name() if GPU else None,
+                         torch=torch.__version__, rows=rows))
         with open(args.json, "w") as fh:
-            json.dump(dict(world=world, B=B, H=H, Hkv=Hkv, D=D, L=L, layout=args.layout, rows=rows), fh, indent=1)
+            json.dump(runs, fh, indent=1)
     dist.destroy_process_group()
 
 
