@@ -208,6 +208,10 @@ class KernelPlan:
     # Gluon tier: mask_mod as each outer index's interval of the inner one (None: not one), which the
     # masked steps test with two compares a score (attn_fwd: keys per query; attn_bwd: queries per key)
     row_keep: RowKeep | None = None
+    # Gluon tier: the kernels take Q_OFF and KV_OFF, the positions of the call's first query and key
+    # (a chunk of a longer sequence, attncc.distributed): mods and tile bounds see positions, loads
+    # and stores the chunk's rows. The Triton tier takes them always (and ignores this)
+    offsets: bool = False
 
     @property
     def runtime_ints(self):
@@ -397,7 +401,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short,
         pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton",
-        row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None)
+        row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
+        offsets=gluon and spec.offsets)
 
 
 def _tiled(fns) -> list:

@@ -34,3 +34,5 @@ class Spec:
                              # call's lengths (attncc.checks.captures_in_range): loaded without bounds masks
     tier: str = "triton"     # fwd: the template set, "triton" (templates/) or "gluon" (templates/sm90/),
                              # chosen by attncc.tiers.choose
+    offsets: bool = False    # fwd, bwd, Gluon tier: the kernels take the positions of the call's first
+                             # query and key (context parallelism's chunks; the Triton tier always does)

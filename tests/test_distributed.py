@@ -307,8 +307,9 @@ def test_auto_method_says_which_and_why(caplog):
 
 
 def test_context_parallel_backward_keeps_the_triton_tier(monkeypatch):
-    """The Gluon backward takes no position offsets: whatever tier the backward would choose
-    (here forced to gluon), context parallelism runs the Triton tier's."""
+    """Where the forward's chunk kernels are the Triton tier's (the interpreter here; on sm90 until
+    tiers.GLUON_OFFSETS_CHECKED), the backward's are too, whatever tier it would choose (forced to
+    gluon here): only a Gluon forward's Spec asks for Gluon kernels at chunk positions."""
     from attncc import tiers
     g = torch.Generator().manual_seed(5)
     kernel = attncc.compile(attncc.Variant(mask_mod=lambda b, h, q, kv: kv <= q))

@@ -142,6 +142,33 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
     assert tier(causal, 128, 4, 100) == ("gluon", "ATTNCC_TIER=gluon")
 
 
+def test_context_parallel_tier_choice(monkeypatch):
+    """context_parallel's chunk kernels: the Triton tier until tiers.GLUON_OFFSETS_CHECKED, then the
+    Gluon tier where it fits, its kernels rendered with Q_OFF and KV_OFF (plan.offsets, which the
+    Triton tier leaves off: it takes them always), and the backward's Spec inherits them."""
+    causal = _variant("causal")
+    chunks = tuple(torch.zeros(1, 2, 512, 128, dtype=torch.bfloat16) for _ in range(3))
+    tier, why = tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 128, 128, False, chunks)
+    assert tier == "triton" and "GLUON_OFFSETS_CHECKED" in why
+    monkeypatch.setattr(tiers, "GLUON_OFFSETS_CHECKED", True)
+    assert tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 128, 128, False, chunks)[0] == "gluon"
+    assert tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 128, 128, True, chunks)[0] == "triton"  # dropout
+    strided = tuple(torch.zeros(1, 2, 512, 129, dtype=torch.bfloat16)[..., :128] for _ in range(3))
+    assert tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 128, 128, False, strided)[0] == "triton"
+    for tier in ("gluon", "triton"):
+        spec = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier=tier, offsets=True)
+        for kind in ("fwd", "bwd"):
+            built = plan.build(kind, causal.analysis, spec, causal.captures)
+            assert built.offsets == (tier == "gluon")
+            if tier == "gluon":
+                src = codegen.render(built)
+                assert "q_idx = gl.expand_dims(p.Q_OFF + " in src and "q_off=0, kv_off=0" in src, kind
+    compiled = attncc.compile(causal)
+    fwd = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon", offsets=True)
+    bwd = compiled.bwd_spec(fwd, (), False, 4096)
+    assert bwd.tier == "gluon" and bwd.offsets
+
+
 # Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library
 # functions are interpreter objects that Gluon cannot compile, and a fresh TRITON_CACHE_DIR makes
 # it compile rather than find an earlier result.
@@ -177,10 +204,11 @@ def compile_for_sm90(fn, args, kwargs):
     return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-if kind == "fwd":
+offsets = [1024, 513] if kind.endswith("-cp") else []  # Q_OFF, KV_OFF: a chunk of a longer sequence
+if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
     args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 0.125]
+            module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 0.125, *offsets]
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                             GROUP=group, WGS=module.WGS, num_warps=4,
                                                             maxnreg=168 if module.WGS == 2 else 128))
@@ -191,7 +219,7 @@ else:
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, dkv, dkv, *dkv.stride(), *dkv.stride(), *caps,
-            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3]
+            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets]
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                              GROUP=group, HEADS=heads,
                                                              FOLD_LSE=kind != "bwd-nofold", num_warps=4, maxnreg=168))
@@ -220,23 +248,28 @@ CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] 
     ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"), ("bwd", "softcap", 64, 1, "bfloat16"),
     ("bwd", "sliding_window", 128, 1, "bfloat16"), ("bwd", "prefix_lm", 128, 1, "bfloat16"),  # masks as row intervals
     ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
-    ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16")]  # dcap atomics
+    ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16")] + [  # dcap atomics
+    # context parallelism's kernels at chunk positions (Q_OFF, KV_OFF)
+    ("fwd-cp", "causal", 128, 1, "bfloat16"), ("fwd-cp", "sliding_window", 128, 4, "float16"),
+    ("fwd-cp", "alibi", 64, 1, "bfloat16"), ("fwd-cp", "full", 64, 2, "bfloat16"),
+    ("bwd-cp", "causal", 128, 1, "bfloat16"), ("bwd-cp", "prefix_lm", 64, 2, "bfloat16"),
+    ("bwd-cp", "softcap", 128, 4, "float16")]
 
 
 @pytest.mark.parametrize("kind,name,d,group,dtype", CASES, ids=[f"{k}-{n}-d{d}-g{g}-{t}" for k, n, d, g, t in CASES])
 def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tmp_path):
     variant = _variant(name, H=2 * group)
     learnable = tuple(range(len(variant.captures))) if kind == "bwd-learn" else ()
-    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon", learnable=learnable)
+    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon", learnable=learnable, offsets=kind.endswith("-cp"))
     source = codegen.render(plan.build(kind.split("-")[0], variant.analysis, spec, variant.captures))
     path = tmp_path / f"{kind}_{name}.py"
     path.write_text(source)
     module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)
     assert module.TIER == "gluon"
-    if kind == "fwd":  # three consumer warp groups where plan.wide_forward grants them
+    if kind.startswith("fwd"):  # three consumer warp groups where plan.wide_forward grants them
         assert module.WGS == (3 if d == 64 and name in ("full", "causal") else 2)
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
-    helper, param = (module._block_range, "BLOCK_Q") if kind == "fwd" else (module._q_range, "BLOCK_KV")
+    helper, param = (module._block_range, "BLOCK_Q") if kind.startswith("fwd") else (module._q_range, "BLOCK_KV")
     assert not isinstance(inspect.signature(helper.fn).parameters[param].annotation, str)
     shapes = [list(c.tensor.shape) for c in variant.captures]
     for triton_dir in [None] + ([TRITON_36] if TRITON_36 else []):  # this Triton, then the GPU machines' 3.6

@@ -32,14 +32,17 @@ CASES = [(name, "bf16") for name in ("causal", "sliding_window", "document", "pr
 CASES += [(name, "fp16") for name in ("causal", "document", "rel_bias", "dropout")]
 
 
-def _rank(kernel, comm, q, k, v, do, dl, learn, gqa, layout, method):
+def _rank(kernel, comm, q, k, v, do, dl, learn, gqa, layout, method, specs=None):
     """One rank's forward and backward, as kernel.context_parallel and its autograd node run them,
     but calling the backward directly: autograd runs every CUDA backward on one worker thread per
-    device, where the ranks' ring backwards would wait for each other."""
+    device, where the ranks' ring backwards would wait for each other. ``specs``: a list that gets
+    the forward's Spec."""
     qs, ks, vs, dos, dls = (shard(t, comm, layout=layout) for t in (q, k, v, do, dl))
     torch.manual_seed(99)
     how, _ = attention.prepare(kernel, qs, ks, vs, group=comm, layout=layout, method=method, enable_gqa=gqa,
                                training=True, generator=None)
+    if specs is not None:
+        specs.append(how[0].spec)
     caps = [c.tensor.detach() for c in kernel.variant.captures]
     out, lse = attention.forward(how, qs, ks, vs, caps)
     learnable = tuple(i for i, c in enumerate(kernel.variant.captures) if any(c.tensor is t for t in learn))
@@ -62,6 +65,34 @@ def test_ranks_one_after_another_equal_single_gpu(name, dtype, world, layout, me
     got = ThreadGroup(world).run(lambda comm: _rank(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout,
                                                     method))[0]
     _assert_matches(got, want, dtype, f"{name} {layout} {method} W={world}")
+
+
+# The Gluon tier's kernels at chunk positions (plan.offsets), which context_parallel takes once
+# tiers.GLUON_OFFSETS_CHECKED says they passed here: forced on (ATTNCC_TIER=gluon, so that the
+# backward takes them at these short chunks too) for the variants the tier runs
+GLUON_CASES = [(name, "bf16") for name in ("causal", "sliding_window", "prefix_lm", "alibi", "softcap", "gqa", "band")]
+GLUON_CASES += [(name, "fp16") for name in ("causal", "alibi")]
+
+
+@pytest.mark.parametrize("world,layout,method", RUNS, ids=[f"{w}x{lay}-{m}" for w, lay, m in RUNS])
+@pytest.mark.parametrize("name,dtype", GLUON_CASES, ids=[f"{n}-{d}" for n, d in GLUON_CASES])
+def test_gluon_tier_chunks_equal_single_gpu(name, dtype, world, layout, method, monkeypatch):
+    from attncc import tiers
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon tier runs on sm90")
+    monkeypatch.setattr(tiers, "GLUON_OFFSETS_CHECKED", True)
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    dtype = DTYPES[dtype]
+    L = 1024
+    variant, H, Hkv, learn = _case(name, L, H=4, device="cuda")
+    kernel = attncc.compile(variant)
+    q, k, v, do, dl = _inputs(H, Hkv, L, batch=2, dim=128, dtype=dtype, device="cuda")
+    want = _single(kernel, q, k, v, do, dl, learn, H != Hkv)
+    specs = []
+    got = ThreadGroup(world).run(lambda comm: _rank(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout,
+                                                    method, specs))[0]
+    assert specs and all(s.tier == "gluon" and s.offsets for s in specs), specs  # the Gluon kernels ran
+    _assert_matches(got, want, dtype, f"{name} {layout} {method} W={world} Gluon tier")
 
 
 def _assert_matches(got, want, dtype, what_run):

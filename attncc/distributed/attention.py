@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-from .. import autograd, checks, runtime
+from .. import autograd, checks, runtime, tiers
 from ..errors import AttnccError
 from ..log import logger
 from ..spec import Spec
@@ -120,9 +120,14 @@ def _setup(compiled, comm, lay, q, k, v, captures, rng, dropout_p) -> ring.Setup
     in_range = checks.captures_in_range(variant, meta(reach_q), meta(reach_kv), captures)
     target = runtime.target_for(q.device)
     scale = variant.scale if variant.scale is not None else 1.0 / math.sqrt(D)
-    # the Triton tier: the Gluon forward, TMA and the warp-specialised loop take no position offsets
+    # no TMA or warp-specialised loop in the Triton tier (they take no position offsets); the Gluon tier
+    # where tiers.choose_chunks takes it, its kernels rendered with Q_OFF and KV_OFF (plan.offsets)
+    tier = "triton"
+    if target.startswith("cuda-sm9"):
+        tier = tiers.choose_chunks(variant, target, _DTYPES[q.dtype], D, v.shape[-1], rng is not None,
+                                   (q[:, :, :cq], k[:, :, :ck], v[:, :, :ck]))[0]
     spec = Spec(_DTYPES[q.dtype], D, v.shape[-1], Hq // k.shape[1], target, rng is not None,
-                positive_scale=scale > 0, in_range=in_range, tier="triton")
+                positive_scale=scale > 0, in_range=in_range, tier=tier, offsets=tier == "gluon")
     seeds = (*rng, dropout_p) if rng is not None else ()
     return ring.Setup(compiled, spec, scale, seeds, variant.deterministic, lay, comm.rank, cq, ck, lq, lkv,
                       _empty_pairs(compiled, cq, ck, lay.n_chunks))
@@ -208,8 +213,11 @@ def backward(how, q, k, v, out, lse, caps, dout, dlse, learnable):
     ranks as threads of one process on a GPU, where autograd's one worker thread per device
     would run the ranks' backwards one inside the other)."""
     setup, comm, method = how
-    # the Triton tier's backward, whatever ATTNCC_TIER says: the Gluon one takes no position offsets
-    bwd_spec = dataclasses.replace(setup.compiled.bwd_spec(setup.spec, learnable, setup.deterministic), tier="triton")
+    # the Gluon backward where the forward took the Gluon tier and tiers.choose_backward takes it at the
+    # key chunks' length (its kernels at chunk positions, plan.offsets), else the Triton tier's
+    bwd_spec = setup.compiled.bwd_spec(setup.spec, learnable, setup.deterministic, setup.ck)
+    if not setup.spec.offsets:
+        bwd_spec = dataclasses.replace(bwd_spec, tier="triton")
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is not None:

@@ -24,7 +24,7 @@ from .. import autograd, blocks, runtime
 class Setup:
     """What one context-parallel call needs; the same on every rank but ``rank`` and ``mine``."""
     compiled: object   # CompiledAttention
-    spec: object       # forward Spec (Triton tier, no TMA / warp specialisation)
+    spec: object       # forward Spec (no TMA / warp specialisation; Gluon tier: offsets=True)
     scale: float
     rng: tuple         # (seed, offset, dropout_p) or ()
     deterministic: bool
@@ -74,9 +74,12 @@ def pair_is_empty(s: Setup, caps, q, i: int, j: int) -> bool:
 
 
 def forward_pair(s: Setup, q, k, v, caps, i: int, kv_off: int):
-    """float32 (out, lse) of query chunk i (q) against keys k, v starting at position kv_off."""
+    """float32 (out, lse) of query chunk i (q) against keys k, v starting at position kv_off. The
+    Gluon tier writes out in q's dtype (its TMA store takes that dtype), which the merges take
+    from there in float32; the Triton tier writes float32."""
     B, H, L, _ = q.shape
-    out = torch.empty(B, H, L, v.shape[-1], dtype=torch.float32, device=q.device)
+    gluon = s.spec.tier == "gluon"
+    out = torch.empty(B, H, L, v.shape[-1], dtype=q.dtype if gluon else torch.float32, device=q.device)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
 
     def run(module):
@@ -84,7 +87,7 @@ def forward_pair(s: Setup, q, k, v, caps, i: int, kv_off: int):
                        blocks=_blocks(s, module, caps, q, i, None, k.shape[2], kv_off),
                        q_off=i * s.cq, kv_off=kv_off, n_kv_all=s.lkv)
     autograd.with_fallback(s.compiled, "fwd", s.spec, run, q, k)
-    return out, lse
+    return (out.float() if gluon else out), lse
 
 
 def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps, i: int, kv_off: int):
