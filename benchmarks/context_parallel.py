@@ -15,6 +15,8 @@ of the forward (auto method), a check that the run computes the right thing. On 
 one-device run is timed twice: with the tier attncc chooses (the efficiency's baseline) and with
 the Triton tier, which context_parallel's kernels use (their gap is not the scaling's).
 --json appends this run to a list in the file, so runs of 1, 2, 4 and 8 ranks gather in one.
+--profile DIR (GPUs, two ranks or more) traces the causal ring's forward and backward and says how
+much of the NCCL kernels' time runs under attention kernels.
 """
 from __future__ import annotations
 
@@ -91,6 +93,49 @@ def one_device(variant, q, k, v, do, gqa, args, rank, device, tier=None):
             os.environ.pop("ATTNCC_TIER") if old is None else os.environ.__setitem__("ATTNCC_TIER", old)
 
 
+def comm_overlap(trace_path):
+    """(NCCL kernel ms, the fraction of it under a compute kernel) from a chrome trace: how much of
+    the communication runs while the attention kernels compute."""
+    with open(trace_path) as fh:
+        events = json.load(fh)["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
+               if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    busy, end = [], float("-inf")  # the union of the compute kernels' intervals, sorted
+    for a, b, _ in sorted(k for k in kernels if not k[2]):
+        if a > end:
+            busy.append([a, b])
+        else:
+            busy[-1][1] = max(busy[-1][1], b)
+        end = max(end, b)
+    comm = hidden = 0.0
+    for a, b, _ in (k for k in kernels if k[2]):
+        comm += b - a
+        hidden += sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
+    return comm / 1e3, (hidden / comm if comm else None)
+
+
+def profile_ring(call, tensors, do, args, rank, world, device):
+    """Two ring forward+backward steps under torch.profiler on each rank; rank 0 writes its chrome
+    trace to --profile and returns (NCCL ms per step, fraction hidden under compute)."""
+    from torch.profiler import ProfilerActivity, profile
+    run = fwd_bwd(call, tensors, do)
+    run()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    if rank != 0:
+        return None
+    os.makedirs(args.profile, exist_ok=True)
+    path = os.path.join(args.profile, f"cp-ring-W{world}-L{args.seq}.json")
+    prof.export_chrome_trace(path)
+    comm_ms, hidden = comm_overlap(path)
+    return comm_ms / 2, hidden
+
+
 def torch_cp_causal(q, k, v, do, args, device):
     """(fwd s, fwd+bwd s) of torch's context_parallel (SDPA, ring), or the reason it does not run."""
     try:
@@ -123,6 +168,8 @@ def main():
     p.add_argument("--no-single", action="store_true", help="skip the one-device run of the whole sequence")
     p.add_argument("--no-torch-cp", action="store_true", help="skip torch's context_parallel")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    p.add_argument("--profile", default=None, help="GPU: write a chrome trace of the causal ring's forward and "
+                   "backward to this folder (rank 0) and report how much of NCCL's time compute hides")
     args = p.parse_args()
 
     dist.init_process_group("nccl" if GPU else "gloo")
@@ -162,6 +209,9 @@ def main():
             fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device)
             rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single,
                              single_triton=single_triton, err=err))
+            if args.profile and GPU and method == "ring" and name == "causal" and world > 1:
+                rows[-1]["comm_ms"], rows[-1]["comm_hidden"] = profile_ring(call, (qs, ks, vs), dos, args, rank,
+                                                                            world, device) or (None, None)
         if name == "causal" and not args.no_torch_cp:
             res = torch_cp_causal(q, k, v, do, args, device)
             rows.append(dict(variant=name, system="torch context_parallel (SDPA)",
@@ -185,6 +235,10 @@ def main():
               f"{r['fwd_bwd_s'] * 1e3:9.2f} {tokens / r['fwd_bwd_s']:12,.0f} "
               f"{(f'{scale:.2f}x' if scale else '-'):>12s} {(f'{scale / world:.0%}' if scale else '-'):>6s} "
               f"{(format(r['err'], '.1e') if 'err' in r else '-'):>9s}")
+    for r in rows:
+        if r.get("comm_hidden") is not None:
+            print(f"{r['variant']} {r['system']}: NCCL kernels {r['comm_ms']:.2f} ms per forward+backward, "
+                  f"{r['comm_hidden']:.0%} of it under compute kernels (trace in {args.profile})")
     for key, what in (("single", "one device, whole sequence"), ("single_triton", "one device, Triton tier")):
         for name, (f, fb) in {r["variant"]: r[key] for r in rows if r.get(key)}.items():
             print(f"{name:16s} {what:32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} {tokens / fb:12,.0f}")

@@ -6,7 +6,8 @@
 #   bash benchmarks/cp_multi_gpu.sh bench   # scaling on 1, 2, 4, 8 ranks (as many as there are GPUs)
 #
 # Results go to $OUT (the device machine's return folder) or ./cp-out: cp.json holds one entry per
-# (ranks, shape) run, for benchmarks/results/<gpu>-cp.json. NCCL's settings stay as the machine has
+# (ranks, shape) run, for benchmarks/results/<gpu>-cp.json; cp-ring-W*-L131072.json, chrome traces
+# of the causal ring (how much of NCCL's time runs under the attention kernels). NCCL's settings stay as the machine has
 # them (NVLink multicast off: NCCL_NVLS_ENABLE=0).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,11 +27,12 @@ bench)
     for shape in "32768 16 16 10" "131072 16 16 5" "131072 16 2 5" "524288 16 16 2"; do
         read -r L H HKV ITERS <<<"$shape"
         single=$([ "$L" -le 131072 ] || echo --no-single)
+        prof=$([ "$L" = 131072 ] && [ "$HKV" = "$H" ] && echo --profile "$out")  # one trace per group size
         for n in 1 2 4 8; do
             [ "$n" -le "$gpus" ] || continue
             [ "$L" -gt 131072 ] && [ "$n" -lt "$gpus" ] && continue  # 512k: only the largest group
             torchrun --nproc-per-node "$n" benchmarks/context_parallel.py --seq "$L" --heads "$H" \
-                --kv-heads "$HKV" --iters "$ITERS" --warmup 2 $single --json "$out/cp.json" \
+                --kv-heads "$HKV" --iters "$ITERS" --warmup 2 $single $prof --json "$out/cp.json" \
                 2>&1 | grep -v "^W1\|OMP_NUM_THREADS" | tee -a "$out/cp-bench.log"
         done
     done
