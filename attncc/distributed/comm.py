@@ -81,6 +81,12 @@ class Comm:
         self.dist.all_reduce(t, group=self.group)
         return t
 
+    def reduce_scatter(self, blocks: list) -> torch.Tensor:
+        """blocks[r] of every rank summed, on rank r (blocks: one tensor per rank, alike in shape)."""
+        out = torch.empty_like(blocks[self.rank])
+        self.dist.reduce_scatter(out, [b.contiguous() for b in blocks], group=self.group)
+        return out
+
 
 class ThreadGroup:
     """``world`` ranks as threads of this process: ``group.rank(r)`` is rank r's communicator,
@@ -152,6 +158,13 @@ class _ThreadComm:
         for p in parts[1:]:
             total += p
         return t.copy_(total)
+
+    def reduce_scatter(self, blocks):
+        parts = self._exchange([b.clone() for b in blocks])
+        total = parts[0][self.rank].clone()
+        for p in parts[1:]:
+            total += p[self.rank]
+        return total
 
 
 def as_comm(group):

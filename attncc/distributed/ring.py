@@ -6,7 +6,8 @@ chunk) pairs at their global positions, and the two ways K/V reach every rank.
                 (merge, attncc.merge_states's rule). Pairs the mask empties are skipped. The backward sends
                 each shard's dK/dV accumulators along with it and recomputes P from the global lse.
     allgather   K/V gathered once; each query chunk runs one call over all keys (the kernel's
-                tile bounds skip what the mask empties); dK/dV summed over the ranks at the end.
+                tile bounds skip what the mask empties); dK/dV reduce-scattered to the ranks that
+                hold the keys at the end.
 
 Every call passes the chunk's first query and key positions (q_off, kv_off) and the whole key
 length to the generated kernels, so mods, tile bounds and dropout see global positions.
@@ -234,7 +235,8 @@ def allgather_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, 
         dqc += g[0]
         dkw += g[1]
         dvw += g[2]
-    comm.all_reduce(dkw)  # every rank's contribution to every key (a reduce-scatter would move less)
-    comm.all_reduce(dvw)
-    mine = lambda t: torch.cat([t[:, :, c * s.ck:(c + 1) * s.ck] for c in s.mine], 2)  # noqa: E731
-    return dq, mine(dkw), mine(dvw), dcaps
+    # every rank's contribution to every key, summed on the rank that holds the key: a reduce-scatter
+    # of each rank's chunks as one block (half the bytes an all-reduce moves)
+    held = lambda t, r: torch.cat([t[:, :, c * s.ck:(c + 1) * s.ck] for c in s.layout.chunks[r]], 2)  # noqa: E731
+    dk, dv = (comm.reduce_scatter([held(t, r) for r in range(comm.world)]) for t in (dkw, dvw))
+    return dq, dk, dv, dcaps
