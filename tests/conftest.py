@@ -26,6 +26,11 @@ LSE_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-3}
 _OWNER = "_ATTNCC_TEST_CACHE_OWNER"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-snapshots", action="store_true",
+                     help="rewrite tests/snapshots/ from the templates (then read the diff before committing)")
+
+
 def pytest_configure(config):
     """Point ATTNCC_CACHE_DIR at a fresh folder before attncc generates anything.
 

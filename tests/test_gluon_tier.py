@@ -1,9 +1,10 @@
 """The Gluon tier on a machine without a GPU: where it is chosen and why, and that every rendered
 Gluon kernel compiles for sm90 (Triton compiles Gluon down to ptxas without a device), so a
-template error fails here and not at a user's first call. Correctness on the GPU:
-tests/test_gpu_gluon.py."""
+template error fails here and not at a user's first call; a few rendered kernels are kept whole
+as snapshots (tests/snapshots/sm90/). Correctness on the GPU: tests/test_gpu_gluon.py."""
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import os
@@ -140,6 +141,32 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
     assert tiers.choose_backward(causal, Spec("bfloat16", 128, 128, 1, "cuda-sm90"), (), True, None)[0] == "triton"
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     assert tier(causal, 128, 4, 100) == ("gluon", "ATTNCC_TIER=gluon")
+
+
+# Rendered Gluon kernels kept whole under tests/snapshots/sm90/: a change to the templates, the plan
+# or the printer that alters one shows here as a diff to read (pytest --update-snapshots rewrites them)
+SNAPSHOTS = Path(__file__).parent / "snapshots" / "sm90"
+SNAPSHOT_CASES = [("fwd", "causal", 128, 1, "bfloat16"), ("fwd", "full", 64, 1, "bfloat16"),  # two / three warp groups
+                  ("fwd", "alibi", 128, 4, "float16"),  # a captured tensor, GQA
+                  ("bwd", "softcap", 128, 1, "bfloat16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
+                  ("fwd-cp", "causal", 128, 1, "bfloat16"), ("bwd-cp", "prefix_lm", 128, 1, "bfloat16")]
+
+
+@pytest.mark.parametrize("kind,name,d,group,dtype", SNAPSHOT_CASES,
+                         ids=[f"{k}-{n}-d{d}-g{g}-{t}" for k, n, d, g, t in SNAPSHOT_CASES])
+def test_rendered_gluon_source_matches_snapshot(kind, name, d, group, dtype, request):
+    variant = _variant(name, H=2 * group)
+    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon", offsets=kind.endswith("-cp"))
+    source = codegen.render(plan.build(kind.split("-")[0], variant.analysis, spec, variant.captures))
+    path = SNAPSHOTS / f"{kind}_{name}_d{d}_g{group}_{dtype}.py"
+    if request.config.getoption("--update-snapshots"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    want = path.read_text() if path.exists() else ""
+    if source != want:
+        diff = "".join(difflib.unified_diff(want.splitlines(True), source.splitlines(True), str(path), "rendered", n=2))
+        pytest.fail(f"the rendered kernel differs from {path} (if the change is meant, rerun with --update-snapshots "
+                    f"and commit the file):\n{diff[:6000]}")
 
 
 def test_context_parallel_tier_choice(monkeypatch):
