@@ -317,7 +317,9 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, k_rows, v_
     DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128  # columns of this warp group's dQ (64 rows)
     slot = j % p.STAGES
     phase = (j // p.STAGES) & 1
-    q_idx = gl.expand_dims(p.Q_OFF + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
+    # Q_OFF added after the expand: added before it, ptxas spilled more (sm90, triton 3.6, sliding window at head
+    # dim 64, GQA 2: 256 bytes of stack against 80; 88 without offsets)
+    q_idx = gl.expand_dims(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0) + p.Q_OFF
     q_smem = p.q_smem.index(slot)
     do_smem = p.do_smem.index(slot)
 

@@ -298,7 +298,7 @@ def consumer(p: Pipeline, WG: gl.constexpr):
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
         q_row0 = m0 + WG * BLOCK_M
         rows = q_row0 + gl.arange(0, BLOCK_M, layout=row_s)
-        q_idx = gl.expand_dims(p.Q_OFF + rows, 1)
+        q_idx = gl.expand_dims(rows, 1) + p.Q_OFF
 
         # first key tile, always with the mask (once per tile): S only, its P V comes with the next
         mbarrier.wait(p.q_ready.index(WG), tile_i & 1)
