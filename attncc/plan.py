@@ -212,6 +212,13 @@ class KernelPlan:
     # (a chunk of a longer sequence, attncc.distributed): mods and tile bounds see positions, loads
     # and stores the chunk's rows. The Triton tier takes them always (and ignores this)
     offsets: bool = False
+    # Gluon forward: P rounded to bfloat16 two columns at a time (one cvt.rn.bf16x2.f32 per register
+    # of the P V product's A operand) where that measured faster: three consumer warp groups and no
+    # mask bounding the keys (the persistent kernel). ptxas rounds them one by one, pairs the halves
+    # the other way round and swaps them back (64 PRMT a key step), and spilled more. H100, in turn
+    # (benchmarks/gluon/fwd_patches.py "cvt-pairs"): 1x32x16384x64 full 4.513 -> 4.132 ms; causal
+    # 2.259 -> 2.297 and head dim 128 (full 1x16x16384 3.432 -> 3.556) keep the plain conversion
+    probs_in_pairs: bool = False
 
     @property
     def runtime_ints(self):
@@ -367,6 +374,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
     mask_class = _mask_class(f, fwd_bounds)
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
+    probs_in_pairs = three and spec.dtype == "bfloat16" and tile_bounds["attn_fwd"].unbounded
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f,
@@ -402,7 +410,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short,
         pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton",
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
-        offsets=gluon and spec.offsets)
+        offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs)
 
 
 def _tiled(fns) -> list:

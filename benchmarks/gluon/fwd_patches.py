@@ -1,7 +1,7 @@
 """Text patches of the rendered Gluon forward (templates/sm90/attn_fwd.py.jinja) that
 gluon_fwd_probe.py times against the kernel as rendered: name -> [(old text, new text)]. Each
 was measured on an H100 (benchmarks/gluon/NOTES.md) unless its comment says it waits for a GPU;
-none is in the template.
+none is in the template but cvt-pairs, where it won (cvt-one undoes it there).
 tests/test_gluon_tier.py checks that every old text still occurs once in the rendered kernels."""
 
 
@@ -46,9 +46,14 @@ PATCHES = {
     # A operand) instead of one by one, which ptxas pairs in the opposite order and swaps back (64 PRMT
     # a key step at head dim 128: 536 -> 485 instructions). H100, in turn, ms base / cvt-pairs: full
     # 1x16x16384x128 3.432 / 3.556, causal 1.744 / 1.809; 1x32x16384x64 full 4.513 / 4.132 (fewer
-    # spills), causal 2.259 / 2.297: not kept
+    # spills), causal 2.259 / 2.297: taken where it won (plan.probs_in_pairs: three warp groups, keys
+    # unbounded, bf16), whose kernels cvt-one turns back
     "cvt-pairs": [("    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n", f"    p_op = {_PAIRS}\n"),
                   ("        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n", f"        p_op = {_PAIRS}\n")],
+    "cvt-one": [("    p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)\n    return",
+                 "    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n    return"),
+                ("        p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)\n        o = gl.zeros",
+                 "        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n        o = gl.zeros")],
     "persistent": [("\nPERSISTENT = False", "\nPERSISTENT = True")],  # a program per SM (static order)
     "single": [("\nPERSISTENT = True", "\nPERSISTENT = False")],  # a program per Q tile
     # exp2 of one element in every PACK on the FMA pipes (a cubic for 2^frac, the integer part

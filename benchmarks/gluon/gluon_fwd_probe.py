@@ -57,7 +57,8 @@ def main():
             errors = {}
             for patch in patches:
                 text = codegen.render(dataclasses.replace(fwd_plan, **plan_edits(patch)))
-                src = apply(text, patch, PATCHES, optional=("\nPERSISTENT", ))  # the render may have set the flag
+                # the render may have set the flag, and rounds P one way or the other (plan.probs_in_pairs)
+                src = apply(text, patch, PATCHES, optional=("\nPERSISTENT", "    p_op = ", "        p_op = "))
                 path = Path(folder) / f"fwd_{name}_{patch}_d{D}_g{case.gqa}_{N}.py"
                 path.write_text(src)
                 module = runtime.load(path, False, src)
