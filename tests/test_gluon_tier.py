@@ -197,6 +197,144 @@ def test_context_parallel_tier_choice(monkeypatch):
     assert bwd.tier == "gluon" and bwd.offsets
 
 
+# The Gluon kernels' tile schedules, run in Python: _block_range / _block (forward) and _q_range /
+# _q_rotation / _q_block (backward) are integer code, so they run here with gl's few functions and
+# Gluon's division (it truncates, as C) in place of the GPU's, against brute force over the mask:
+# every tile with a kept score is visited once, tiles run without the mask code only where every
+# score is kept, and with chunk positions (Q_OFF, KV_OFF) the same holds at those positions.
+class _CInt(int):
+    """An int with Gluon's (C's) // and %, which truncate toward zero."""
+
+    def __add__(a, b):
+        return _CInt(int(a) + int(b))
+
+    __radd__ = __add__
+
+    def __sub__(a, b):
+        return _CInt(int(a) - int(b))
+
+    def __rsub__(a, b):
+        return _CInt(int(b) - int(a))
+
+    def __mul__(a, b):
+        return _CInt(int(a) * int(b))
+
+    __rmul__ = __mul__
+
+    def __neg__(a):
+        return _CInt(-int(a))
+
+    def __floordiv__(a, b):
+        q = abs(int(a)) // abs(int(b))
+        return _CInt(q if (int(a) >= 0) == (int(b) > 0) else -q)
+
+    def __mod__(a, b):
+        return a - b * (a // b)
+
+
+class _Gl:
+    cdiv = staticmethod(lambda a, b: (_CInt(a) + b - 1) // b)
+    maximum = staticmethod(lambda a, b: _CInt(max(int(a), int(b))))
+    minimum = staticmethod(lambda a, b: _CInt(min(int(a), int(b))))
+    where = staticmethod(lambda c, x, y: x if c else y)
+
+
+def _in_python(jitted, done=None):
+    """A Gluon function as plain Python over _CInt (and the Gluon functions it calls, likewise)."""
+    import types
+    done = {} if done is None else done
+    fn = jitted.fn
+    if fn not in done:
+        env = dict(fn.__globals__, gl=_Gl)
+        done[fn] = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+        for name, value in fn.__globals__.items():
+            if hasattr(value, "fn") and callable(value.fn) and name != fn.__name__:
+                env[name] = _in_python(value, done)
+    return done[fn]
+
+
+SCHEDULE_MASKS = {  # mask_mod, head dims; windows wider than a tile, both signs of slope, h in the bounds
+    "causal": (lambda b, h, q, k: q >= k, (128, 64)),
+    "window_300": (lambda b, h, q, k: (q >= k) & (q - k < 300), (128, 64)),
+    "symmetric_200": (lambda b, h, q, k: (q - k).abs() <= 200, (128, )),
+    "prefix_lm": (lambda b, h, q, k: (k < 70) | (q >= k), (128, 64)),
+    "per_head_window": (lambda b, h, q, k: (q >= k) & (q - k < 150 * (h + 1)), (128, )),
+    "keys_ahead": (lambda b, h, q, k: k >= q + 90, (128, )),
+    "bottom_right": (lambda b, h, q, k: q + 500 >= k, (64, )),
+    "full": (None, (64, )),
+}
+# (Lq, Lkv, Q_OFF, KV_OFF): single-device calls (offsets 0), and chunks of a longer sequence
+SCHEDULE_CALLS = [(1, 1, 0, 0), (17, 300, 0, 0), (777, 1000, 0, 0), (1000, 333, 0, 0), (256, 256, 512, 256),
+                  (300, 300, 600, 0), (250, 250, 0, 750), (384, 128, 1000, 1152), (200, 640, 64, 64)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULE_MASKS))
+def test_gluon_tile_schedules_visit_every_kept_score(name, tmp_path):
+    mask_mod, dims = SCHEDULE_MASKS[name]
+    variant = attncc.Variant(None, mask_mod)
+    for d in dims:
+        for kind in ("fwd", "bwd"):
+            for offsets in (False, True):
+                spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets)
+                source = codegen.render(plan.build(kind, variant.analysis, spec, variant.captures))
+                path = tmp_path / f"{kind}_{d}_{offsets}.py"
+                path.write_text(source)
+                module = runtime.load(path, True, source)
+                for Lq, Lkv, q_off, kv_off in SCHEDULE_CALLS:
+                    if not offsets and (q_off or kv_off):
+                        continue
+                    for h in (0, 2):
+                        _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets,
+                                        f"{name} {kind} d{d} Lq={Lq} Lkv={Lkv} at {q_off}, {kv_off}, h={h}")
+
+
+def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, what):
+    q = torch.arange(Lq)[:, None] + q_off
+    k = torch.arange(Lkv)[None, :] + kv_off
+    keep = torch.ones(Lq, Lkv, dtype=torch.bool) if mask_mod is None else mask_mod(0, torch.tensor(h), q, k)
+    keep = keep.expand(Lq, Lkv)
+    C = _CInt
+    if kind == "fwd":  # a program: query rows [m0, m0 + BQ), key tiles of BN
+        bm, bn = module.LAUNCH_TILES["attn_fwd"][:2]
+        bq = module.WGS * bm
+        block_range, block = _in_python(module._block_range), _in_python(module._block)
+        outer, inner = (bq, Lq), (bn, Lkv)
+        ranges = lambda m0: block_range(C(0), C(h), C(q_off + m0), bq, C(Lkv), bn, *([C(kv_off)] if offsets else []))  # noqa: E731
+        order = lambda it, hi, full_lo, full_hi, n_hi, n_masked, m0: block(C(it), hi, full_lo, full_hi, n_hi, n_masked)  # noqa: E731
+        tile_keep = lambda o, i: keep[o * bq:(o + 1) * bq, i * bn:(i + 1) * bn]  # noqa: E731
+    else:  # a program: key rows [kv_lo, kv_lo + 2 BN), query tiles of BM
+        bm, bn = module.LAUNCH_TILES["attn_bwd"][:2]
+        bk = 2 * bn
+        q_range, q_block, q_rotation = (_in_python(f) for f in (module._q_range, module._q_block, module._q_rotation))
+        outer, inner = (bk, Lkv), (bm, Lq)
+        keep = keep.T
+
+        def ranges(kv_lo):
+            full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h), C(kv_off + kv_lo if offsets else kv_lo), bk, C(Lq),
+                                                              C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
+            return hi, full_lo, full_hi, n_hi, n_masked, n
+
+        def order(it, hi, full_lo, full_hi, n_hi, n_masked, kv_lo):
+            rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
+            return q_block(C(it), full_lo, full_hi, hi, n_hi, n_masked, rot)
+        tile_keep = lambda o, i: keep[o * bk:(o + 1) * bk, i * bm:(i + 1) * bm]  # noqa: E731
+    n_inner = -(-inner[1] // inner[0])
+    for o in range(-(-outer[1] // outer[0])):
+        start = o * outer[0]
+        hi, full_lo, full_hi, n_hi, n_masked, n = ranges(start)
+        visits = [int(order(it, hi, full_lo, full_hi, n_hi, n_masked, start)) for it in range(n)]
+        masked = set(visits[:max(int(n_masked), 1 if kind == "fwd" else 0)])
+        assert len(set(visits)) == len(visits) and all(0 <= t < max(n_inner, 1) for t in visits), (what, o, visits)
+        for t in range(n_inner):
+            kept = tile_keep(o, t)
+            if kept.any():
+                assert t in visits, f"{what}: tile {o} never visits tile {t}, which holds kept scores ({visits})"
+            if t in visits and t not in masked:  # runs without the mask code: every score kept, none past an end
+                rows = outer[0] if kind == "bwd" else kept.shape[0]  # a ragged K/V tile masks every step
+                whole = kept.shape == (rows, inner[0]) and bool(kept.all())
+                assert whole, f"{what}: tile {o} runs tile {t} without the mask, which drops scores or ends ({visits}, {n_masked})"
+
+
 # Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library
 # functions are interpreter objects that Gluon cannot compile, and a fresh TRITON_CACHE_DIR makes
 # it compile rather than find an earlier result.
