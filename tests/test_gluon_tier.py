@@ -335,6 +335,115 @@ def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, 
                 assert whole, f"{what}: tile {o} runs tile {t} without the mask, which drops scores or ends ({visits}, {n_masked})"
 
 
+# The Gluon forward's softmax step, as rendered (the mods in Gluon's language, the mask's compares,
+# the scale folding, the online softmax), run on CPU tensors with torch standing in for gl, over the
+# key tiles in the kernel's order with its masked / unmasked choice per tile (only the products and
+# the O update are the test's own): against a float64 reference at the call's positions.
+class _Ptr:
+    """A captured tensor's pointer plus an offset, for the mods' gl.load."""
+
+    def __init__(self, flat, offset=0):
+        self.flat, self.offset = flat, offset
+
+    def __add__(self, offset):
+        return _Ptr(self.flat, self.offset + offset)
+
+    __radd__ = __add__
+
+
+def _load(ptr, mask=None, other=0):
+    off = torch.as_tensor(ptr.offset)
+    inside = torch.ones_like(off, dtype=torch.bool) if mask is None else torch.as_tensor(mask)
+    vals = ptr.flat[off.clamp(0, ptr.flat.numel() - 1)]
+    return torch.where(inside, vals, torch.as_tensor(other, dtype=vals.dtype))
+
+
+class _GlTorch:
+    float32, int32, int64, bfloat16, float16 = torch.float32, torch.int32, torch.int64, torch.bfloat16, torch.float16
+    arange = staticmethod(lambda a, b, layout=None: torch.arange(a, b))
+    expand_dims = staticmethod(lambda x, axis: x.unsqueeze(axis))
+    SliceLayout = staticmethod(lambda *a, **k: None)
+    where = staticmethod(lambda c, x, y: torch.where(torch.as_tensor(c), torch.as_tensor(x), torch.as_tensor(y)))
+    maximum = staticmethod(lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)))
+    minimum = staticmethod(lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b)))
+    max = staticmethod(lambda x, axis: x.amax(dim=axis))
+    sum = staticmethod(lambda x, axis: x.sum(dim=axis))
+    fma = staticmethod(lambda a, b, c: a * b + c)
+    load = staticmethod(_load)
+
+    def __getattr__(self, name):  # gl.exp2, gl.sin, gl.zeros_like, ...: torch's function of that name
+        return getattr(torch, name)
+
+
+def _softmax_step_in_torch(module):
+    """The rendered _softmax_step as a plain function over torch tensors."""
+    src = inspect.getsource(module._softmax_step.fn)
+    src = src[src.index("def "):].replace("qk.type.layout", "None")
+    env = {"gl": _GlTorch(), "_tanh": torch.tanh, "_sigmoid": torch.sigmoid, "Pipeline": object,
+           "_floor_div": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+           "_floor_mod": torch.remainder}
+    exec(compile(src, module.__file__, "exec"), env)
+    return env["_softmax_step"]
+
+
+SOFTMAX_CASES = [("causal", 128, False), ("sliding_window", 128, True), ("prefix_lm", 64, True), ("alibi", 128, True),
+                 ("softcap", 128, False), ("rel_bias", 128, True), ("full", 64, True), ("trig", 128, False)]
+
+
+@pytest.mark.parametrize("name,d,offsets", SOFTMAX_CASES, ids=[f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in SOFTMAX_CASES])
+def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path):
+    from types import SimpleNamespace
+    variant = _variant(name, H=2)
+    spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets)
+    built = plan.build("fwd", variant.analysis, spec, variant.captures)
+    source = codegen.render(built)
+    path = tmp_path / "fwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    step, block_range, block = _softmax_step_in_torch(module), _in_python(module._block_range), _in_python(module._block)
+    bm, bn = module.LAUNCH_TILES["attn_fwd"][:2]
+    bq, scale, h = module.WGS * bm, 0.125, 1
+    g = torch.Generator().manual_seed(3)
+    for Lq, Lkv, q_off, kv_off in [(300, 420, 0, 0), (200, 333, 700, 260)] if offsets else [(300, 420, 0, 0), (17, 1, 0, 0)]:
+        q, k, v = (torch.randn(n, d, generator=g) for n in (Lq, Lkv, Lkv))
+        caps = [c.tensor for c in variant.captures]
+        cap_args = [a for c in caps for a in [_Ptr(c.reshape(-1).float())] + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]]
+        p = SimpleNamespace(BLOCK_N=bn, sm_scale=scale, N_CTX_KV=Lkv, KV_OFF=kv_off)
+        b_t, h_t = torch.tensor(0), torch.tensor(h)
+        out = torch.zeros(Lq, d, dtype=torch.float64)
+        for m0 in range(0, Lq, bq):
+            q_idx = (m0 + torch.arange(bq))[:, None] + q_off
+            hoisted = [eval(text, {"gl": _GlTorch()}, dict(b=b_t, h=h_t, q_idx=q_idx, **dict(zip(
+                [a for c in built.captures for a in ", ".join(c.args).split(", ")], cap_args))))
+                for _, text in built.mods["attn_fwd"].hoisted]
+            C = _CInt
+            hi, full_lo, full_hi, n_hi, n_masked, n = block_range(C(0), C(h), C(q_off + m0), bq, C(Lkv), bn,
+                                                                   *([C(kv_off)] if offsets else []))
+            q_tile = torch.zeros(bq, d)
+            q_tile[:min(bq, Lq - m0)] = q[m0:m0 + bq]
+            m_i, l_i, o = torch.full((bq,), -float("inf")), torch.zeros(bq), torch.zeros(bq, d)
+            for it in range(int(n)):
+                kb = int(block(C(it), hi, full_lo, full_hi, n_hi, n_masked))
+                k_tile, v_tile = torch.zeros(bn, d), torch.zeros(bn, d)  # TMA zero-fills past the end
+                k_tile[:max(0, min(bn, Lkv - kb * bn))] = k[kb * bn:(kb + 1) * bn]
+                v_tile[:max(0, min(bn, Lkv - kb * bn))] = v[kb * bn:(kb + 1) * bn]
+                probs, m_i, l_i, alpha = step(p, q_tile @ k_tile.T, m_i, l_i, torch.tensor(kb), b_t, h_t, q_idx, *hoisted,
+                                              *cap_args, it == 0 or it < n_masked)
+                o = o * alpha[:, None] + probs @ v_tile
+            rows = min(bq, Lq - m0)
+            out[m0:m0 + rows] = torch.where(l_i[:rows, None] == 0, 0.0, o[:rows] / l_i[:rows, None]).double()
+        qp, kp = torch.arange(Lq)[:, None] + q_off, torch.arange(Lkv)[None, :] + kv_off
+        s = (q.double() @ k.double().T) * scale
+        if variant.score_mod is not None:
+            s = variant.score_mod(s, b_t, h_t, qp, kp).double()
+        if variant.mask_mod is not None:
+            s = s.masked_fill(~variant.mask_mod(b_t, h_t, qp, kp).expand(Lq, Lkv), -float("inf"))
+        ref = torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ v.double()
+        assert torch.isfinite(out).all()
+        err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert err < 1e-5, (name, d, Lq, Lkv, q_off, kv_off, err)
+
+
 # Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library
 # functions are interpreter objects that Gluon cannot compile, and a fresh TRITON_CACHE_DIR makes
 # it compile rather than find an earlier result.
