@@ -404,7 +404,8 @@ def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path
     bm, bn = module.LAUNCH_TILES["attn_fwd"][:2]
     bq, scale, h = module.WGS * bm, 0.125, 1
     g = torch.Generator().manual_seed(3)
-    for Lq, Lkv, q_off, kv_off in [(300, 420, 0, 0), (200, 333, 700, 260)] if offsets else [(300, 420, 0, 0), (17, 1, 0, 0)]:
+    calls = [(200, 333, 300, 260), (200, 333, 700, 260)] if offsets else [(300, 420, 0, 0), (17, 1, 0, 0)]
+    for Lq, Lkv, q_off, kv_off in calls:  # chunks whose positions overlap, and (windows) chunks the mask empties
         q, k, v = (torch.randn(n, d, generator=g) for n in (Lq, Lkv, Lkv))
         caps = [c.tensor for c in variant.captures]
         cap_args = [a for c in caps for a in [_Ptr(c.reshape(-1).float())] + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]]
@@ -442,6 +443,139 @@ def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path
         assert torch.isfinite(out).all()
         err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert err < 1e-5, (name, d, Lq, Lkv, q_off, kv_off, err)
+
+
+# The Gluon backward's step as rendered (S^T from -lse2, dP^T from -Delta, the masks, dscore, the dK,
+# dV and dQ products, dQ's hand-over in the accumulator's order) on CPU tensors: shared memory as
+# tensors, the asynchronous products computed at issue, barriers as no-ops. A step runs twice per
+# warp group, so that dQ's product reads both warp groups' dS^T; the schedule, the preprocess (lse2,
+# Delta) and the dQ adds are the test's, after the kernel's. Against float64 autograd.
+class _Smem:
+    def __init__(self, t):
+        self.t = t
+
+    def index(self, i):
+        return _Smem(self.t[i])
+
+    def slice(self, start, n, dim=0):
+        return _Smem(self.t.narrow(dim, start, n))
+
+    def permute(self, dims):
+        return _Smem(self.t.permute(dims))
+
+    def load(self, layout=None):
+        return self.t.clone()
+
+    def store(self, x):
+        self.t.copy_(x)
+
+
+def _mma(a, b, acc, use_acc=True, is_async=True):
+    a, b = (x.t if isinstance(x, _Smem) else x for x in (a, b))
+    return (acc if use_acc else 0) + a.float() @ b.float()
+
+
+class _GlBwd(_GlTorch):
+    zeros = staticmethod(lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype))
+    convert_layout = staticmethod(lambda x, layout: x)
+    reshape = staticmethod(lambda x, shape: x.reshape(shape))
+    permute = staticmethod(lambda x, dims: x.permute(dims))
+
+
+def _bwd_step_in_torch(module):
+    from types import SimpleNamespace
+    src = inspect.getsource(module._step.fn)
+    src = src[src.index("def "):]
+    env = {"gl": _GlBwd(), "_tanh": torch.tanh, "_sigmoid": torch.sigmoid, "Pipeline": object,
+           "mbarrier": SimpleNamespace(wait=lambda *a, **k: None, arrive=lambda *a, **k: None),
+           "fence_async_shared": lambda: None, "warpgroup_mma": _mma,
+           "warpgroup_mma_wait": lambda num_outstanding, deps: deps[0] if len(deps) == 1 else tuple(deps)}
+    exec(compile(src, module.__file__, "exec"), env)
+    return env["_step"]
+
+
+BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
+                  ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False)]
+
+
+@pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=[f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in BWD_STEP_CASES])
+def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
+    from types import SimpleNamespace
+    variant = _variant(name, H=2)
+    spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets)
+    built = plan.build("bwd", variant.analysis, spec, variant.captures)
+    source = codegen.render(built)
+    path = tmp_path / "bwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    step = _bwd_step_in_torch(module)
+    q_range, q_block, q_rotation = (_in_python(f) for f in (module._q_range, module._q_block, module._q_rotation))
+    bm, bn, _, stages = module.LAUNCH_TILES["attn_bwd"]
+    bk, dq_n, scale, h, C = 2 * bn, bm * d // 128, 0.125, 1, _CInt
+    Lq, Lkv, q_off, kv_off = (200, 333, 300, 260) if offsets else (300, 250, 0, 0)
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(n, d, generator=g, dtype=torch.float64) for n in (Lq, Lkv, Lkv, Lq))
+    b_t, h_t = torch.tensor(0), torch.tensor(h)
+    qp, kp = torch.arange(Lq)[:, None] + q_off, torch.arange(Lkv)[None, :] + kv_off
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = (leaves[0] @ leaves[1].T) * scale
+    if variant.score_mod is not None:
+        s = variant.score_mod(s, b_t, h_t, qp, kp)
+    if variant.mask_mod is not None:
+        s = s.masked_fill(~variant.mask_mod(b_t, h_t, qp, kp).expand(Lq, Lkv), -float("inf"))
+    lse = torch.logsumexp(s, dim=1)
+    o = torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ leaves[2]
+    want = torch.autograd.grad(o, leaves, do)
+    assert all(w.norm() > 0 for w in want)  # the chunks' positions overlap: something to compare
+    lse2 = torch.where(torch.isinf(lse), 0.0, lse * 1.4426950408889634).detach().float()  # attn_bwd_preprocess's
+    delta = (do * o.detach()).sum(1).float()
+    caps = [c.tensor for c in variant.captures]
+    cap_args = [a for c in caps for a in [_Ptr(c.reshape(-1).float())] + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]]
+    lse_folds = "if p.FOLD_LSE:" in source
+    p = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, N_CTX_Q=Lq, N_CTX_KV=Lkv, Q_OFF=q_off, KV_OFF=kv_off,
+                        sm_scale=scale, lse_to_acc=-1.0 / (scale * 1.4426950408889634), FOLD_LSE=lse_folds,
+                        q_desc=SimpleNamespace(dtype=torch.float32), q_ready=_Smem(torch.zeros(stages)),
+                        do_ready=_Smem(torch.zeros(stages)), ds_ready=_Smem(torch.zeros(2)), dq_bars=_Smem(torch.zeros(4)),
+                        q_smem=_Smem(torch.zeros(stages, bm, d)), do_smem=_Smem(torch.zeros(stages, bm, d)),
+                        lse_smem=_Smem(torch.zeros(stages, bm)), delta_smem=_Smem(torch.zeros(stages, bm)),
+                        ds_smem=_Smem(torch.zeros(2, bk, bm)), dq_smem=_Smem(torch.zeros(2, dq_n // 4, 256)),
+                        k_smem=_Smem(torch.zeros(bk, d)), v_smem=_Smem(torch.zeros(bk, d)))
+    got = [torch.zeros(Lq, d), torch.zeros(Lkv, d), torch.zeros(Lkv, d)]
+    for kv_lo in range(0, Lkv, bk):  # a program: its K/V tile, its query tiles in the kernel's order
+        rows = min(bk, Lkv - kv_lo)
+        p.k_smem.t.zero_()[:rows] = k[kv_lo:kv_lo + rows].float()
+        p.v_smem.t.zero_()[:rows] = v[kv_lo:kv_lo + rows].float()
+        full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h), C(kv_off + kv_lo if offsets else kv_lo), bk, C(Lq),
+                                                          C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
+        rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
+        kv_idx = [(kv_lo + wg * bn + torch.arange(bn))[:, None] + (kv_off if offsets else 0) for wg in (0, 1)]
+        acc = [[torch.zeros(bn, d), torch.zeros(bn, d)] for _ in (0, 1)]
+        for j in range(int(n)):
+            m0 = int(q_block(C(j), full_lo, full_hi, hi, n_hi, n_masked, rot)) * bm
+            slot, qr = j % stages, min(bm, Lq - m0)
+            for buf, src in ((p.q_smem, q), (p.do_smem, do), (p.lse_smem, lse2), (p.delta_smem, delta)):
+                buf.t[slot].zero_()[:qr] = src[m0:m0 + qr].float()  # TMA zero-fills; the row statistics are 0 past the end
+            for keep in (False, True):  # the first round writes both warp groups' dS^T
+                for wg in (0, 1):
+                    dk, dv = step(p, wg, j, m0, b_t, h_t, acc[wg][0].clone(), acc[wg][1].clone(), kv_idx[wg],
+                                  p.k_smem.slice(wg * bn, bn), p.v_smem.slice(wg * bn, bn), None, None, None,
+                                  j < n_masked, *cap_args)
+                    if keep:
+                        acc[wg] = [dk, dv]
+                        part = p.dq_smem.t[wg].reshape(dq_n // 8, 4, 8, 4, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(64, dq_n)
+                        if dq_n == d:  # query tiles of 128: each warp group has 64 of the rows
+                            got[0][m0 + 64 * wg:m0 + 64 * wg + 64][:max(0, qr - 64 * wg)] += part[:max(0, qr - 64 * wg)]
+                        else:  # query tiles of 64: each warp group has half of the columns
+                            got[0][m0:m0 + qr, wg * dq_n:(wg + 1) * dq_n] += part[:qr]
+        for wg in (0, 1):
+            r0 = kv_lo + wg * bn
+            r = max(0, min(bn, Lkv - r0))
+            got[1][r0:r0 + r] = acc[wg][0][:r] * scale
+            got[2][r0:r0 + r] = acc[wg][1][:r]
+    for what, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), what
+        err = ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()
+        assert err < 1e-4, (name, d, offsets, what, err)
 
 
 # Run in a process of its own: with the interpreter on (as in the CPU tests) Triton's own library
