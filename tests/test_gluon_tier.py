@@ -475,7 +475,14 @@ def _mma(a, b, acc, use_acc=True, is_async=True):
     return (acc if use_acc else 0) + a.float() @ b.float()
 
 
+def _atomic_add(ptr, value, mask=True, sem=None):
+    off, value, mask = torch.broadcast_tensors(torch.as_tensor(ptr.offset), torch.as_tensor(value), torch.as_tensor(mask))
+    ptr.flat.index_add_(0, off[mask].reshape(-1), value[mask].reshape(-1).to(ptr.flat.dtype))
+
+
 class _GlBwd(_GlTorch):
+    BlockedLayout = staticmethod(lambda *a, **k: None)
+    atomic_add = staticmethod(_atomic_add)
     zeros = staticmethod(lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype))
     convert_layout = staticmethod(lambda x, layout: x)
     reshape = staticmethod(lambda x, shape: x.reshape(shape))
@@ -495,14 +502,18 @@ def _bwd_step_in_torch(module):
 
 
 BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
-                  ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False)]
+                  ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False),
+                  ("alibi-learn", 128, True), ("row_biases-learn", 64, False)]  # capture gradients: per-step sums, atomics
 
 
 @pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=[f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in BWD_STEP_CASES])
 def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     from types import SimpleNamespace
+    name, learn = name.removesuffix("-learn"), name.endswith("-learn")
     variant = _variant(name, H=2)
-    spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets)
+    caps = [c.tensor for c in variant.captures]
+    learnable = tuple(range(len(caps))) if learn else ()
+    spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets, learnable=learnable)
     built = plan.build("bwd", variant.analysis, spec, variant.captures)
     source = codegen.render(built)
     path = tmp_path / "bwd.py"
@@ -517,7 +528,7 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     q, k, v, do = (torch.randn(n, d, generator=g, dtype=torch.float64) for n in (Lq, Lkv, Lkv, Lq))
     b_t, h_t = torch.tensor(0), torch.tensor(h)
     qp, kp = torch.arange(Lq)[:, None] + q_off, torch.arange(Lkv)[None, :] + kv_off
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [c.requires_grad_() for c in caps if learn]
     s = (leaves[0] @ leaves[1].T) * scale
     if variant.score_mod is not None:
         s = variant.score_mod(s, b_t, h_t, qp, kp)
@@ -526,11 +537,15 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     lse = torch.logsumexp(s, dim=1)
     o = torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ leaves[2]
     want = torch.autograd.grad(o, leaves, do)
+    for c in caps:
+        c.requires_grad_(False)
     assert all(w.norm() > 0 for w in want)  # the chunks' positions overlap: something to compare
     lse2 = torch.where(torch.isinf(lse), 0.0, lse * 1.4426950408889634).detach().float()  # attn_bwd_preprocess's
     delta = (do * o.detach()).sum(1).float()
-    caps = [c.tensor for c in variant.captures]
-    cap_args = [a for c in caps for a in [_Ptr(c.reshape(-1).float())] + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]]
+    dcaps = [torch.zeros(c.numel()) for c in caps]
+    cap_args = [a for c, dc in zip(caps, dcaps) for a in [_Ptr(c.detach().reshape(-1).float())]
+                + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]
+                + ([_Ptr(dc)] + list(c.stride()) if learn else [])]
     lse_folds = "if p.FOLD_LSE:" in source
     p = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, N_CTX_Q=Lq, N_CTX_KV=Lkv, Q_OFF=q_off, KV_OFF=kv_off,
                         sm_scale=scale, lse_to_acc=-1.0 / (scale * 1.4426950408889634), FOLD_LSE=lse_folds,
@@ -555,7 +570,10 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
             slot, qr = j % stages, min(bm, Lq - m0)
             for buf, src in ((p.q_smem, q), (p.do_smem, do), (p.lse_smem, lse2), (p.delta_smem, delta)):
                 buf.t[slot].zero_()[:qr] = src[m0:m0 + qr].float()  # TMA zero-fills; the row statistics are 0 past the end
+            before = [dc.clone() for dc in dcaps]
             for keep in (False, True):  # the first round writes both warp groups' dS^T
+                for dc, b0 in zip(dcaps, before):  # and capture gradients, which only the second keeps
+                    dc.copy_(b0)
                 for wg in (0, 1):
                     dk, dv = step(p, wg, j, m0, b_t, h_t, acc[wg][0].clone(), acc[wg][1].clone(), kv_idx[wg],
                                   p.k_smem.slice(wg * bn, bn), p.v_smem.slice(wg * bn, bn), None, None, None,
@@ -572,7 +590,8 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
             r = max(0, min(bn, Lkv - r0))
             got[1][r0:r0 + r] = acc[wg][0][:r] * scale
             got[2][r0:r0 + r] = acc[wg][1][:r]
-    for what, a, b in zip(("dq", "dk", "dv"), got, want):
+    got += [dc.reshape(c.shape) for dc, c in zip(dcaps, caps) if learn]
+    for what, a, b in zip(("dq", "dk", "dv", "dcap0", "dcap1"), got, want):
         assert torch.isfinite(a).all(), what
         err = ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()
         assert err < 1e-4, (name, d, offsets, what, err)
