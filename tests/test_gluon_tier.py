@@ -1,7 +1,9 @@
 """The Gluon tier on a machine without a GPU: where it is chosen and why, and that every rendered
 Gluon kernel compiles for sm90 (Triton compiles Gluon down to ptxas without a device), so a
 template error fails here and not at a user's first call; a few rendered kernels are kept whole
-as snapshots (tests/snapshots/sm90/). Correctness on the GPU: tests/test_gpu_gluon.py."""
+as snapshots (tests/snapshots/sm90/); and the kernels' integer tile schedules and their forward
+and backward steps, as rendered, run in Python (torch in place of Gluon's operations) against
+brute force and the float64 reference. Correctness on the GPU: tests/test_gpu_gluon.py."""
 from __future__ import annotations
 
 import difflib
