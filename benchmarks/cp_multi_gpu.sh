@@ -4,6 +4,8 @@
 #   bash benchmarks/cp_multi_gpu.sh tests   # NCCL correctness: every CPU-list variant, bf16 and fp16,
 #                                           # both layouts, ring and all-gather, forward and backward
 #   bash benchmarks/cp_multi_gpu.sh bench   # scaling on 1, 2, 4, 8 ranks (as many as there are GPUs)
+#   bash benchmarks/cp_multi_gpu.sh bench 131072 524288   # only these whole lengths (to split the
+#                                           # grid over calls when one would run past its limit)
 #
 # Results go to $OUT (the device machine's return folder) or ./cp-out: cp.json holds one entry per
 # (ranks, shape) run, for benchmarks/results/<gpu>-cp.json; cp-ring-W*-L131072.json, chrome traces
@@ -26,6 +28,7 @@ bench)
     # in the time (512k: a forward and backward of one device take seconds)
     for shape in "32768 16 16 10" "131072 16 16 5" "131072 16 2 5" "524288 16 16 2"; do
         read -r L H HKV ITERS <<<"$shape"
+        [ $# -le 1 ] || [[ " ${*:2} " == *" $L "* ]] || continue
         single=$([ "$L" -le 131072 ] || echo --no-single)
         prof=$([ "$L" = 131072 ] && [ "$HKV" = "$H" ] && echo --profile "$out")  # one trace per group size
         for n in 1 2 4 8; do
