@@ -165,12 +165,26 @@ class CompiledAttention:
         # what a call with TMA-addressable tensors runs there (runtime.descriptor_modes)
         modes = ("off", "off") if sm(target) < 90 else (
             config.tma(), config.ws())
-        name = _dtype_name(dtype)
-        tier = tiers.choose(self.variant, target, name, head_dim, dv, False)[0] if kernel == "fwd" else "triton"
-        spec = Spec(name, head_dim, dv, gqa, target, tma=modes[0], ws=modes[1], tier=tier)
-        if kernel == "bwd":  # what a call without learnable captures runs there
-            spec = dataclasses.replace(spec, tier=tiers.choose_backward(self.variant, spec, (), False)[0])
+        spec, _ = self._shown(kernel, _dtype_name(dtype), head_dim, dv, gqa, target, modes)
         return self._source(kernel, spec)[1]
+
+    def tier(self, kernel: str = "fwd", dtype=torch.bfloat16, head_dim: int = 128, head_dim_v: int | None = None,
+             gqa: int = 1, target: str | None = None) -> tuple[str, str]:
+        """(tier, why) of the kernel ``source`` shows for the same arguments (attncc.tiers)."""
+        if target is None:
+            target = runtime.target_for(torch.device("cuda")) if torch.cuda.is_available() else "cuda-sm90"
+        return self._shown(kernel, _dtype_name(dtype), head_dim, head_dim_v or head_dim, gqa, target, ("off", "off"))[1]
+
+    def _shown(self, kernel, name, head_dim, dv, gqa, target, modes) -> tuple:
+        """(Spec, (tier, why)) of what a call of unknown length runs there: the backward's without
+        learnable captures; the inference kernels are the Triton tier's."""
+        why = tiers.choose(self.variant, target, name, head_dim, dv, False) if kernel == "fwd" else (
+            "triton", "the inference kernels are the Triton tier's")
+        spec = Spec(name, head_dim, dv, gqa, target, tma=modes[0], ws=modes[1], tier=why[0])
+        if kernel == "bwd":
+            why = tiers.choose_backward(self.variant, spec, (), False)
+            spec = dataclasses.replace(spec, tier=why[0])
+        return spec, why
 
     def explain(self) -> str:
         """The IR, the simplified expressions and the derived facts, as text."""

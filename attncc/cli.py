@@ -120,7 +120,11 @@ def load_target(target: str) -> api.CompiledAttention:
 
 def cmd_show(args):
     compiled = load_target(args.target)
-    print(compiled.source(args.kernel, DTYPES[args.dtype], args.head_dim, args.head_dim_v, args.gqa), end="")
+    shape = (args.kernel, DTYPES[args.dtype], args.head_dim, args.head_dim_v, args.gqa)
+    source = compiled.source(*shape)  # checks the arguments
+    tier, why = compiled.tier(*shape)
+    print(f"attncc show: the {tier} tier ({why})", file=sys.stderr)  # stdout is the source alone
+    print(source, end="")
 
 
 def default_tile(variant: Variant, length: int) -> tuple[int, int]:

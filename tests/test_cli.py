@@ -72,6 +72,8 @@ def test_show_variant_fwd_and_bwd(capsys, mods):
     compile(fwd, "fwd.py", "exec")  # valid Python
     assert "def attn_fwd(" in fwd and "tanh" in fwd and "importing mods" not in fwd
     assert "importing mods" in err
+    # the tier and why, on stderr (stdout is the source alone): without a GPU, sm90's choice
+    assert "attncc show: the gluon tier (sm90, bfloat16, head dim 128: measured faster)" in err, err
     code, bwd, _ = run(capsys, "show", f"{mods}:variant", "--kernel", "bwd", "--dtype", "fp16", "--head-dim", "64")
     assert code == 0
     compile(bwd, "bwd.py", "exec")
@@ -79,6 +81,8 @@ def test_show_variant_fwd_and_bwd(capsys, mods):
     expected = attncc.compile(attncc.Variant(lambda s, b, h, q, k: 20.0 * torch.tanh(s / 20.0),
                                              lambda b, h, q, k: q >= k))
     assert bwd == expected.source("bwd", torch.float16, 64)
+    assert expected.tier("bwd", torch.float16, 64)[0] == "triton"  # a call of unknown length: short
+    assert "the Gluon backward measured slower" in expected.tier("bwd", torch.float16, 64)[1]
 
 
 def test_show_compiled_and_mods(capsys, mods):
