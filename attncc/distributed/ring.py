@@ -4,7 +4,8 @@ chunk) pairs at their global positions, and the two ways K/V reach every rank.
     ring        K/V shards travel around the ranks (rank r sends to r + 1) while the shard at
                 hand computes; each query chunk merges its partial (out, lse) exactly
                 (merge, attncc.merge_states's rule). Pairs the mask empties are skipped. The backward sends
-                each shard's dK/dV accumulators along with it and recomputes P from the global lse.
+                each shard's dK/dV accumulators along with it, one step behind, and recomputes P from
+                the global lse.
     allgather   K/V gathered once; each query chunk runs one call over all keys (the kernel's
                 tile bounds skip what the mask empties); dK/dV reduce-scattered to the ranks that
                 hold the keys at the end.
@@ -190,21 +191,23 @@ def _row_stats(s: Setup, lse, dlse):
 
 
 def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
-    """dq, dk, dv (float32) and the capture gradients of this rank's shards (summed over its pairs)."""
+    """dq, dk, dv (float32) and the capture gradients of this rank's shards (summed over its pairs).
+    A step adds its pairs' dK/dV into buffers of its own; the shard's accumulators arrive from
+    rank - 1 while it computes, take those, and leave for rank + 1 while the next step computes,
+    so their transfer is hidden as the K/V shards' is (added in place at the end of the step they
+    would wait for it, exposed; W moves bring them home)."""
     q, k, v, out, dout = _work(s, q, k, v, out, dout)
     qs, outs, douts = _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout)
     lses, dlses = _row_stats(s, lse, dlse)
     dcaps = _grad_buffers(s, bwd_spec, caps, learnable, q.device)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dqs = _qchunks(s, dq)
-    cur = [k, v]
-    acc = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-           torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
-    src = s.rank
+    cur, src, moved = [k, v], s.rank, None
     for step in range(comm.world):
         pending = comm.ring_start(cur) if step < comm.world - 1 else None
         ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
-        dks, dvs = _kvchunks(s, acc[0]), _kvchunks(s, acc[1])
+        part = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]  # this step's dK, dV
+        dks, dvs = _kvchunks(s, part[0]), _kvchunks(s, part[1])
         for a, i in enumerate(s.mine):
             for b, j in enumerate(s.layout.chunks[src]):
                 if pair_is_empty(s, caps, qs[a], i, j):
@@ -214,10 +217,15 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
                 dqs[a] += g[0]
                 dks[b] += g[1]
                 dvs[b] += g[2]
-        moved = comm.ring_start(acc)  # the accumulators follow their shard; after W moves they are home
+        acc = part
+        if moved is not None:  # the shard's accumulators from the ranks before, sent under this step
+            acc = moved.wait()
+            acc[0] += part[0]
+            acc[1] += part[1]
+        moved = comm.ring_start(acc)  # on to rank + 1, under the next step's compute
         if pending is not None:
             cur, src = pending.wait(), (src - 1) % comm.world
-        acc = moved.wait()
+    acc = moved.wait()  # the W-th move: this rank's own shard, every rank's pairs in it
     return dq, acc[0], acc[1], dcaps
 
 
