@@ -505,17 +505,18 @@ def _bwd_step_in_torch(module):
 
 BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
                   ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False),
-                  ("alibi-learn", 128, True), ("row_biases-learn", 64, False)]  # capture gradients: per-step sums, atomics
+                  ("alibi-learn", 128, True), ("row_biases-learn", 64, False),  # capture gradients: per-step sums, atomics
+                  ("alibi-gqa", 64, False), ("causal-gqa", 128, True)]  # GQA 2: query heads in one program (64) or one each
 
 
 @pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=[f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in BWD_STEP_CASES])
 def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     from types import SimpleNamespace
-    name, learn = name.removesuffix("-learn"), name.endswith("-learn")
+    name, learn, group = name.split("-")[0], name.endswith("-learn"), 2 if name.endswith("-gqa") else 1
     variant = _variant(name, H=2)
     caps = [c.tensor for c in variant.captures]
     learnable = tuple(range(len(caps))) if learn else ()
-    spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets, learnable=learnable)
+    spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon", offsets=offsets, learnable=learnable)
     built = plan.build("bwd", variant.analysis, spec, variant.captures)
     source = codegen.render(built)
     path = tmp_path / "bwd.py"
@@ -524,26 +525,31 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     step = _bwd_step_in_torch(module)
     q_range, q_block, q_rotation = (_in_python(f) for f in (module._q_range, module._q_block, module._q_rotation))
     bm, bn, _, stages = module.LAUNCH_TILES["attn_bwd"]
-    bk, dq_n, scale, h, C = 2 * bn, bm * d // 128, 0.125, 1, _CInt
+    bk, dq_n, scale, C = 2 * bn, bm * d // 128, 0.125, _CInt
     Lq, Lkv, q_off, kv_off = (200, 333, 300, 260) if offsets else (300, 250, 0, 0)
     g = torch.Generator().manual_seed(4)
-    q, k, v, do = (torch.randn(n, d, generator=g, dtype=torch.float64) for n in (Lq, Lkv, Lkv, Lq))
-    b_t, h_t = torch.tensor(0), torch.tensor(h)
+    q, do = (torch.randn(group, Lq, d, generator=g, dtype=torch.float64) for _ in range(2))  # query heads of K/V head 0
+    k, v = (torch.randn(Lkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    b_t = torch.tensor(0)
     qp, kp = torch.arange(Lq)[:, None] + q_off, torch.arange(Lkv)[None, :] + kv_off
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [c.requires_grad_() for c in caps if learn]
-    s = (leaves[0] @ leaves[1].T) * scale
-    if variant.score_mod is not None:
-        s = variant.score_mod(s, b_t, h_t, qp, kp)
-    if variant.mask_mod is not None:
-        s = s.masked_fill(~variant.mask_mod(b_t, h_t, qp, kp).expand(Lq, Lkv), -float("inf"))
-    lse = torch.logsumexp(s, dim=1)
-    o = torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ leaves[2]
+    lse, o = [], []
+    for hq in range(group):
+        h_t = torch.tensor(hq)
+        s = (leaves[0][hq] @ leaves[1].T) * scale
+        if variant.score_mod is not None:
+            s = variant.score_mod(s, b_t, h_t, qp, kp)
+        if variant.mask_mod is not None:
+            s = s.masked_fill(~variant.mask_mod(b_t, h_t, qp, kp).expand(Lq, Lkv), -float("inf"))
+        lse.append(torch.logsumexp(s, dim=1))
+        o.append(torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ leaves[2])
+    lse, o = torch.stack(lse), torch.stack(o)
     want = torch.autograd.grad(o, leaves, do)
     for c in caps:
         c.requires_grad_(False)
     assert all(w.norm() > 0 for w in want)  # the chunks' positions overlap: something to compare
     lse2 = torch.where(torch.isinf(lse), 0.0, lse * 1.4426950408889634).detach().float()  # attn_bwd_preprocess's
-    delta = (do * o.detach()).sum(1).float()
+    delta = (do * o.detach()).sum(-1).float()
     dcaps = [torch.zeros(c.numel()) for c in caps]
     cap_args = [a for c, dc in zip(caps, dcaps) for a in [_Ptr(c.detach().reshape(-1).float())]
                 + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]
@@ -557,41 +563,43 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
                         lse_smem=_Smem(torch.zeros(stages, bm)), delta_smem=_Smem(torch.zeros(stages, bm)),
                         ds_smem=_Smem(torch.zeros(2, bk, bm)), dq_smem=_Smem(torch.zeros(2, dq_n // 4, 256)),
                         k_smem=_Smem(torch.zeros(bk, d)), v_smem=_Smem(torch.zeros(bk, d)))
-    got = [torch.zeros(Lq, d), torch.zeros(Lkv, d), torch.zeros(Lkv, d)]
-    for kv_lo in range(0, Lkv, bk):  # a program: its K/V tile, its query tiles in the kernel's order
+    got = [torch.zeros(group, Lq, d), torch.zeros(Lkv, d), torch.zeros(Lkv, d)]
+    heads = 1 if Lkv >= module.SPLIT_HEADS_FROM else group  # query heads per program, as the launcher
+    for h0, kv_lo in ((h0, kv_lo) for h0 in range(0, group, heads) for kv_lo in range(0, Lkv, bk)):
+        # a program: its K/V tile, its query heads' tiles in the kernel's order
         rows = min(bk, Lkv - kv_lo)
         p.k_smem.t.zero_()[:rows] = k[kv_lo:kv_lo + rows].float()
         p.v_smem.t.zero_()[:rows] = v[kv_lo:kv_lo + rows].float()
-        full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h), C(kv_off + kv_lo if offsets else kv_lo), bk, C(Lq),
+        full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h0), C(kv_off + kv_lo if offsets else kv_lo), bk, C(Lq),
                                                           C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
         rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
         kv_idx = [(kv_lo + wg * bn + torch.arange(bn))[:, None] + (kv_off if offsets else 0) for wg in (0, 1)]
         acc = [[torch.zeros(bn, d), torch.zeros(bn, d)] for _ in (0, 1)]
-        for j in range(int(n)):
-            m0 = int(q_block(C(j), full_lo, full_hi, hi, n_hi, n_masked, rot)) * bm
+        for j in range(int(n) * heads):
+            m0, hq = int(q_block(C(j // heads), full_lo, full_hi, hi, n_hi, n_masked, rot)) * bm, h0 + j % heads
             slot, qr = j % stages, min(bm, Lq - m0)
             for buf, src in ((p.q_smem, q), (p.do_smem, do), (p.lse_smem, lse2), (p.delta_smem, delta)):
-                buf.t[slot].zero_()[:qr] = src[m0:m0 + qr].float()  # TMA zero-fills; the row statistics are 0 past the end
+                buf.t[slot].zero_()[:qr] = src[hq, m0:m0 + qr].float()  # TMA zero-fills; row statistics are 0 past the end
             before = [dc.clone() for dc in dcaps]
             for keep in (False, True):  # the first round writes both warp groups' dS^T
                 for dc, b0 in zip(dcaps, before):  # and capture gradients, which only the second keeps
                     dc.copy_(b0)
                 for wg in (0, 1):
-                    dk, dv = step(p, wg, j, m0, b_t, h_t, acc[wg][0].clone(), acc[wg][1].clone(), kv_idx[wg],
-                                  p.k_smem.slice(wg * bn, bn), p.v_smem.slice(wg * bn, bn), None, None, None,
-                                  j < n_masked, *cap_args)
+                    dk, dv = step(p, wg, j, m0, b_t, torch.tensor(hq), acc[wg][0].clone(), acc[wg][1].clone(),
+                                  kv_idx[wg], p.k_smem.slice(wg * bn, bn), p.v_smem.slice(wg * bn, bn), None, None, None,
+                                  j < n_masked * heads, *cap_args)
                     if keep:
                         acc[wg] = [dk, dv]
                         part = p.dq_smem.t[wg].reshape(dq_n // 8, 4, 8, 4, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(64, dq_n)
                         if dq_n == d:  # query tiles of 128: each warp group has 64 of the rows
-                            got[0][m0 + 64 * wg:m0 + 64 * wg + 64][:max(0, qr - 64 * wg)] += part[:max(0, qr - 64 * wg)]
+                            got[0][hq, m0 + 64 * wg:m0 + 64 * wg + 64][:max(0, qr - 64 * wg)] += part[:max(0, qr - 64 * wg)]
                         else:  # query tiles of 64: each warp group has half of the columns
-                            got[0][m0:m0 + qr, wg * dq_n:(wg + 1) * dq_n] += part[:qr]
+                            got[0][hq, m0:m0 + qr, wg * dq_n:(wg + 1) * dq_n] += part[:qr]
         for wg in (0, 1):
             r0 = kv_lo + wg * bn
             r = max(0, min(bn, Lkv - r0))
-            got[1][r0:r0 + r] = acc[wg][0][:r] * scale
-            got[2][r0:r0 + r] = acc[wg][1][:r]
+            got[1][r0:r0 + r] += acc[wg][0][:r] * scale  # programs of one query head each: float32 sums
+            got[2][r0:r0 + r] += acc[wg][1][:r]
     got += [dc.reshape(c.shape) for dc, c in zip(dcaps, caps) if learn]
     for what, a, b in zip(("dq", "dk", "dv", "dcap0", "dcap1"), got, want):
         assert torch.isfinite(a).all(), what
