@@ -192,7 +192,8 @@ def test_context_parallel_tier_choice(monkeypatch):
             assert built.offsets == (tier == "gluon")
             if tier == "gluon":
                 src = codegen.render(built)
-                assert re.search(r"q_idx = gl\.expand_dims\(.*\) \+ p\.Q_OFF$", src, re.M) and "q_off=0, kv_off=0" in src, kind
+                assert re.search(r"q_idx = gl\.expand_dims\(.*\) \+ p\.Q_OFF$", src, re.M), kind
+                assert "q_off=0, kv_off=0" in src, kind
     compiled = attncc.compile(causal)
     fwd = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon", offsets=True)
     bwd = compiled.bwd_spec(fwd, (), False, 4096)
@@ -301,8 +302,11 @@ def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, 
         bq = module.WGS * bm
         block_range, block = _in_python(module._block_range), _in_python(module._block)
         outer, inner = (bq, Lq), (bn, Lkv)
-        ranges = lambda m0: block_range(C(0), C(h), C(q_off + m0), bq, C(Lkv), bn, *([C(kv_off)] if offsets else []))  # noqa: E731
-        order = lambda it, hi, full_lo, full_hi, n_hi, n_masked, m0: block(C(it), hi, full_lo, full_hi, n_hi, n_masked)  # noqa: E731
+        def ranges(m0):
+            return block_range(C(0), C(h), C(q_off + m0), bq, C(Lkv), bn, *([C(kv_off)] if offsets else []))
+
+        def order(it, hi, full_lo, full_hi, n_hi, n_masked, m0):
+            return block(C(it), hi, full_lo, full_hi, n_hi, n_masked)
         tile_keep = lambda o, i: keep[o * bq:(o + 1) * bq, i * bn:(i + 1) * bn]  # noqa: E731
     else:  # a program: key rows [kv_lo, kv_lo + 2 BN), query tiles of BM
         bm, bn = module.LAUNCH_TILES["attn_bwd"][:2]
@@ -334,7 +338,8 @@ def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, 
             if t in visits and t not in masked:  # runs without the mask code: every score kept, none past an end
                 rows = outer[0] if kind == "bwd" else kept.shape[0]  # a ragged K/V tile masks every step
                 whole = kept.shape == (rows, inner[0]) and bool(kept.all())
-                assert whole, f"{what}: tile {o} runs tile {t} without the mask, which drops scores or ends ({visits}, {n_masked})"
+                assert whole, (f"{what}: tile {o} runs tile {t} without the mask, which drops scores or ends "
+                               f"({visits}, {n_masked})")
 
 
 # The Gluon forward's softmax step, as rendered (the mods in Gluon's language, the mask's compares,
@@ -392,7 +397,19 @@ SOFTMAX_CASES = [("causal", 128, False), ("sliding_window", 128, True), ("prefix
                  ("softcap", 128, False), ("rel_bias", 128, True), ("full", 64, True), ("trig", 128, False)]
 
 
-@pytest.mark.parametrize("name,d,offsets", SOFTMAX_CASES, ids=[f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in SOFTMAX_CASES])
+def _step_ids(cases):
+    return [f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in cases]
+
+
+def _cap_args(caps, dcaps=None):
+    """A mod's arguments for each captured tensor: pointer, (size, stride) per dim, and with dcaps
+    (learnable) the gradient's pointer and strides."""
+    return [a for i, c in enumerate(caps) for a in [_Ptr(c.detach().reshape(-1).float())]
+            + [x for d in range(c.dim()) for x in (c.shape[d], c.stride(d))]
+            + ([_Ptr(dcaps[i])] + list(c.stride()) if dcaps else [])]
+
+
+@pytest.mark.parametrize("name,d,offsets", SOFTMAX_CASES, ids=_step_ids(SOFTMAX_CASES))
 def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path):
     from types import SimpleNamespace
     variant = _variant(name, H=2)
@@ -410,7 +427,7 @@ def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path
     for Lq, Lkv, q_off, kv_off in calls:  # chunks whose positions overlap, and (windows) chunks the mask empties
         q, k, v = (torch.randn(n, d, generator=g) for n in (Lq, Lkv, Lkv))
         caps = [c.tensor for c in variant.captures]
-        cap_args = [a for c in caps for a in [_Ptr(c.reshape(-1).float())] + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]]
+        cap_args = _cap_args(caps)
         p = SimpleNamespace(BLOCK_N=bn, sm_scale=scale, N_CTX_KV=Lkv, KV_OFF=kv_off)
         b_t, h_t = torch.tensor(0), torch.tensor(h)
         out = torch.zeros(Lq, d, dtype=torch.float64)
@@ -509,7 +526,7 @@ BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix
                   ("alibi-gqa", 64, False), ("causal-gqa", 128, True)]  # GQA 2: query heads in one program (64) or one each
 
 
-@pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=[f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in BWD_STEP_CASES])
+@pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=_step_ids(BWD_STEP_CASES))
 def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     from types import SimpleNamespace
     name, learn, group = name.split("-")[0], name.endswith("-learn"), 2 if name.endswith("-gqa") else 1
@@ -551,12 +568,10 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     lse2 = torch.where(torch.isinf(lse), 0.0, lse * 1.4426950408889634).detach().float()  # attn_bwd_preprocess's
     delta = (do * o.detach()).sum(-1).float()
     dcaps = [torch.zeros(c.numel()) for c in caps]
-    cap_args = [a for c, dc in zip(caps, dcaps) for a in [_Ptr(c.detach().reshape(-1).float())]
-                + [x for i in range(c.dim()) for x in (c.shape[i], c.stride(i))]
-                + ([_Ptr(dc)] + list(c.stride()) if learn else [])]
+    cap_args = _cap_args(caps, dcaps if learn else None)
     lse_folds = "if p.FOLD_LSE:" in source
-    p = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, N_CTX_Q=Lq, N_CTX_KV=Lkv, Q_OFF=q_off, KV_OFF=kv_off,
-                        sm_scale=scale, lse_to_acc=-1.0 / (scale * 1.4426950408889634), FOLD_LSE=lse_folds,
+    p = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, N_CTX_Q=Lq, N_CTX_KV=Lkv, Q_OFF=q_off,
+                        KV_OFF=kv_off, sm_scale=scale, lse_to_acc=-1.0 / (scale * 1.4426950408889634), FOLD_LSE=lse_folds,
                         q_desc=SimpleNamespace(dtype=torch.float32), q_ready=_Smem(torch.zeros(stages)),
                         do_ready=_Smem(torch.zeros(stages)), ds_ready=_Smem(torch.zeros(2)), dq_bars=_Smem(torch.zeros(4)),
                         q_smem=_Smem(torch.zeros(stages, bm, d)), do_smem=_Smem(torch.zeros(stages, bm, d)),
