@@ -13,7 +13,8 @@ it does not fit). tokens/s = batch * whole sequence length / time; scaling = one
 the group's; efficiency = scaling / ranks; rel. err: ||out - one device's out|| / ||one device's||
 of the forward (auto method), a check that the run computes the right thing. On GPUs the
 one-device run is timed twice: with the tier attncc chooses (the efficiency's baseline) and with
-the Triton tier, which context_parallel's kernels use (their gap is not the scaling's).
+the Triton tier, which context_parallel's chunk kernels run until tiers.GLUON_OFFSETS_CHECKED (the
+tiers' gap is not the scaling's).
 --json appends this run to a list in the file, so runs of 1, 2, 4 and 8 ranks gather in one.
 --profile DIR (GPUs, two ranks or more) traces the causal ring's forward and backward and says how
 much of the NCCL kernels' time runs under attention kernels.
@@ -194,7 +195,7 @@ def main():
         single = single_triton = None
         if not args.no_single:
             single = one_device(variant, q, k, v, do, H != Hkv, args, rank, device)
-            if GPU:  # context_parallel runs the Triton tier: this row tells its gap from the scaling's
+            if GPU:  # the Triton tier, which context_parallel's chunks run until tiers.GLUON_OFFSETS_CHECKED
                 single_triton = one_device(variant, q, k, v, do, H != Hkv, args, rank, device, tier="triton")
         with torch.no_grad():  # the result, checked against one device's on rank 0
             want = kernel(q, k, v, enable_gqa=H != Hkv) if rank == 0 else None
