@@ -231,8 +231,14 @@ class _CInt(int):
         q = abs(int(a)) // abs(int(b))
         return _CInt(q if (int(a) >= 0) == (int(b) > 0) else -q)
 
+    def __rfloordiv__(b, a):
+        return _CInt(a) // b
+
     def __mod__(a, b):
         return a - b * (a // b)
+
+    def __rmod__(b, a):
+        return _CInt(a) % b
 
 
 class _Gl:
