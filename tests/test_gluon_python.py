@@ -1,0 +1,451 @@
+"""The Gluon kernels' code, as rendered, run in Python on the CPU, where Triton's interpreter
+cannot run Gluon: their integer tile schedules (with Gluon's C division) against brute force over
+the mask, and the forward's softmax step and the backward's step (torch in place of `gl`, shared
+memory as tensors, asynchronous products computed at issue, barriers as no-ops) over the kernels'
+tile order against the float64 reference, at single-device and chunk positions (Q_OFF, KV_OFF).
+What they cannot see (barriers, asynchrony, TMA, layouts, speed) the GPU tests do
+(tests/test_gpu_gluon.py, tests/test_gpu_distributed.py)."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import attncc
+from attncc import codegen, plan, runtime
+from attncc.spec import Spec
+from test_gluon_tier import _variant
+
+# The generated Gluon modules these tests load import triton; where that import is the process's
+# first, the CPU tests after them would find triton without its interpreter: import it as attncc's
+# CPU calls do (interpreter on, on a machine without CUDA)
+runtime._triton(for_cpu=True)
+
+
+# The Gluon kernels' tile schedules, run in Python: _block_range / _block (forward) and _q_range /
+# _q_rotation / _q_block (backward) are integer code, so they run here with gl's few functions and
+# Gluon's division (it truncates, as C) in place of the GPU's, against brute force over the mask:
+# every tile with a kept score is visited once, tiles run without the mask code only where every
+# score is kept, and with chunk positions (Q_OFF, KV_OFF) the same holds at those positions.
+class _CInt(int):
+    """An int with Gluon's (C's) // and %, which truncate toward zero."""
+
+    def __add__(a, b):
+        return _CInt(int(a) + int(b))
+
+    __radd__ = __add__
+
+    def __sub__(a, b):
+        return _CInt(int(a) - int(b))
+
+    def __rsub__(a, b):
+        return _CInt(int(b) - int(a))
+
+    def __mul__(a, b):
+        return _CInt(int(a) * int(b))
+
+    __rmul__ = __mul__
+
+    def __neg__(a):
+        return _CInt(-int(a))
+
+    def __floordiv__(a, b):
+        q = abs(int(a)) // abs(int(b))
+        return _CInt(q if (int(a) >= 0) == (int(b) > 0) else -q)
+
+    def __rfloordiv__(b, a):
+        return _CInt(a) // b
+
+    def __mod__(a, b):
+        return a - b * (a // b)
+
+    def __rmod__(b, a):
+        return _CInt(a) % b
+
+
+class _Gl:
+    cdiv = staticmethod(lambda a, b: (_CInt(a) + b - 1) // b)
+    maximum = staticmethod(lambda a, b: _CInt(max(int(a), int(b))))
+    minimum = staticmethod(lambda a, b: _CInt(min(int(a), int(b))))
+    where = staticmethod(lambda c, x, y: x if c else y)
+
+
+def _in_python(jitted, done=None):
+    """A Gluon function as plain Python over _CInt (and the Gluon functions it calls, likewise)."""
+    import types
+    done = {} if done is None else done
+    fn = jitted.fn
+    if fn not in done:
+        env = dict(fn.__globals__, gl=_Gl)
+        done[fn] = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+        for name, value in fn.__globals__.items():
+            if hasattr(value, "fn") and callable(value.fn) and name != fn.__name__:
+                env[name] = _in_python(value, done)
+    return done[fn]
+
+
+SCHEDULE_MASKS = {  # mask_mod, head dims; windows wider than a tile, both signs of slope, h in the bounds
+    "causal": (lambda b, h, q, k: q >= k, (128, 64)),
+    "window_300": (lambda b, h, q, k: (q >= k) & (q - k < 300), (128, 64)),
+    "symmetric_200": (lambda b, h, q, k: (q - k).abs() <= 200, (128, )),
+    "prefix_lm": (lambda b, h, q, k: (k < 70) | (q >= k), (128, 64)),
+    "per_head_window": (lambda b, h, q, k: (q >= k) & (q - k < 150 * (h + 1)), (128, )),
+    "keys_ahead": (lambda b, h, q, k: k >= q + 90, (128, )),
+    "bottom_right": (lambda b, h, q, k: q + 500 >= k, (64, )),
+    "full": (None, (64, )),
+}
+# (Lq, Lkv, Q_OFF, KV_OFF): single-device calls (offsets 0), and chunks of a longer sequence
+SCHEDULE_CALLS = [(1, 1, 0, 0), (17, 300, 0, 0), (777, 1000, 0, 0), (1000, 333, 0, 0), (256, 256, 512, 256),
+                  (300, 300, 600, 0), (250, 250, 0, 750), (384, 128, 1000, 1152), (200, 640, 64, 64)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULE_MASKS))
+def test_gluon_tile_schedules_visit_every_kept_score(name, tmp_path):
+    mask_mod, dims = SCHEDULE_MASKS[name]
+    variant = attncc.Variant(None, mask_mod)
+    for d in dims:
+        for kind in ("fwd", "bwd"):
+            for offsets in (False, True):
+                spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets)
+                source = codegen.render(plan.build(kind, variant.analysis, spec, variant.captures))
+                path = tmp_path / f"{kind}_{d}_{offsets}.py"
+                path.write_text(source)
+                module = runtime.load(path, True, source)
+                for Lq, Lkv, q_off, kv_off in SCHEDULE_CALLS:
+                    if not offsets and (q_off or kv_off):
+                        continue
+                    for h in (0, 2):
+                        _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets,
+                                        f"{name} {kind} d{d} Lq={Lq} Lkv={Lkv} at {q_off}, {kv_off}, h={h}")
+
+
+def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, what):
+    q = torch.arange(Lq)[:, None] + q_off
+    k = torch.arange(Lkv)[None, :] + kv_off
+    keep = torch.ones(Lq, Lkv, dtype=torch.bool) if mask_mod is None else mask_mod(0, torch.tensor(h), q, k)
+    keep = keep.expand(Lq, Lkv)
+    C = _CInt
+    if kind == "fwd":  # a program: query rows [m0, m0 + BQ), key tiles of BN
+        bm, bn = module.LAUNCH_TILES["attn_fwd"][:2]
+        bq = module.WGS * bm
+        block_range, block = _in_python(module._block_range), _in_python(module._block)
+        outer, inner = (bq, Lq), (bn, Lkv)
+        def ranges(m0):
+            return block_range(C(0), C(h), C(q_off + m0), bq, C(Lkv), bn, *([C(kv_off)] if offsets else []))
+
+        def order(it, hi, full_lo, full_hi, n_hi, n_masked, m0):
+            return block(C(it), hi, full_lo, full_hi, n_hi, n_masked)
+        tile_keep = lambda o, i: keep[o * bq:(o + 1) * bq, i * bn:(i + 1) * bn]  # noqa: E731
+    else:  # a program: key rows [kv_lo, kv_lo + 2 BN), query tiles of BM
+        bm, bn = module.LAUNCH_TILES["attn_bwd"][:2]
+        bk = 2 * bn
+        q_range, q_block, q_rotation = (_in_python(f) for f in (module._q_range, module._q_block, module._q_rotation))
+        outer, inner = (bk, Lkv), (bm, Lq)
+        keep = keep.T
+
+        def ranges(kv_lo):
+            full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h), C(kv_off + kv_lo if offsets else kv_lo), bk, C(Lq),
+                                                              C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
+            return hi, full_lo, full_hi, n_hi, n_masked, n
+
+        def order(it, hi, full_lo, full_hi, n_hi, n_masked, kv_lo):
+            rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
+            return q_block(C(it), full_lo, full_hi, hi, n_hi, n_masked, rot)
+        tile_keep = lambda o, i: keep[o * bk:(o + 1) * bk, i * bm:(i + 1) * bm]  # noqa: E731
+    n_inner = -(-inner[1] // inner[0])
+    for o in range(-(-outer[1] // outer[0])):
+        start = o * outer[0]
+        hi, full_lo, full_hi, n_hi, n_masked, n = ranges(start)
+        visits = [int(order(it, hi, full_lo, full_hi, n_hi, n_masked, start)) for it in range(n)]
+        masked = set(visits[:max(int(n_masked), 1 if kind == "fwd" else 0)])
+        assert len(set(visits)) == len(visits) and all(0 <= t < max(n_inner, 1) for t in visits), (what, o, visits)
+        for t in range(n_inner):
+            kept = tile_keep(o, t)
+            if kept.any():
+                assert t in visits, f"{what}: tile {o} never visits tile {t}, which holds kept scores ({visits})"
+            if t in visits and t not in masked:  # runs without the mask code: every score kept, none past an end
+                rows = outer[0] if kind == "bwd" else kept.shape[0]  # a ragged K/V tile masks every step
+                whole = kept.shape == (rows, inner[0]) and bool(kept.all())
+                assert whole, (f"{what}: tile {o} runs tile {t} without the mask, which drops scores or ends "
+                               f"({visits}, {n_masked})")
+
+
+# The Gluon forward's softmax step, as rendered (the mods in Gluon's language, the mask's compares,
+# the scale folding, the online softmax), run on CPU tensors with torch standing in for gl, over the
+# key tiles in the kernel's order with its masked / unmasked choice per tile (only the products and
+# the O update are the test's own): against a float64 reference at the call's positions.
+class _Ptr:
+    """A captured tensor's pointer plus an offset, for the mods' gl.load."""
+
+    def __init__(self, flat, offset=0):
+        self.flat, self.offset = flat, offset
+
+    def __add__(self, offset):
+        return _Ptr(self.flat, self.offset + offset)
+
+    __radd__ = __add__
+
+
+def _load(ptr, mask=None, other=0):
+    off = torch.as_tensor(ptr.offset)
+    inside = torch.ones_like(off, dtype=torch.bool) if mask is None else torch.as_tensor(mask)
+    vals = ptr.flat[off.clamp(0, ptr.flat.numel() - 1)]
+    return torch.where(inside, vals, torch.as_tensor(other, dtype=vals.dtype))
+
+
+class _GlTorch:
+    float32, int32, int64, bfloat16, float16 = torch.float32, torch.int32, torch.int64, torch.bfloat16, torch.float16
+    arange = staticmethod(lambda a, b, layout=None: torch.arange(a, b))
+    expand_dims = staticmethod(lambda x, axis: x.unsqueeze(axis))
+    SliceLayout = staticmethod(lambda *a, **k: None)
+    where = staticmethod(lambda c, x, y: torch.where(torch.as_tensor(c), torch.as_tensor(x), torch.as_tensor(y)))
+    maximum = staticmethod(lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)))
+    minimum = staticmethod(lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b)))
+    max = staticmethod(lambda x, axis: x.amax(dim=axis))
+    sum = staticmethod(lambda x, axis: x.sum(dim=axis))
+    fma = staticmethod(lambda a, b, c: a * b + c)
+    load = staticmethod(_load)
+
+    def __getattr__(self, name):  # gl.exp2, gl.sin, gl.zeros_like, ...: torch's function of that name
+        return getattr(torch, name)
+
+
+def _softmax_step_in_torch(module):
+    """The rendered _softmax_step as a plain function over torch tensors."""
+    src = inspect.getsource(module._softmax_step.fn)
+    src = src[src.index("def "):].replace("qk.type.layout", "None")
+    env = {"gl": _GlTorch(), "_tanh": torch.tanh, "_sigmoid": torch.sigmoid, "Pipeline": object,
+           "_floor_div": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+           "_floor_mod": torch.remainder}
+    exec(compile(src, module.__file__, "exec"), env)
+    return env["_softmax_step"]
+
+
+SOFTMAX_CASES = [("causal", 128, False), ("sliding_window", 128, True), ("prefix_lm", 64, True), ("alibi", 128, True),
+                 ("softcap", 128, False), ("rel_bias", 128, True), ("full", 64, True), ("trig", 128, False)]
+
+
+def _step_ids(cases):
+    return [f"{n}-d{d}-{'cp' if o else 'single'}" for n, d, o in cases]
+
+
+def _cap_args(caps, dcaps=None):
+    """A mod's arguments for each captured tensor: pointer, (size, stride) per dim, and with dcaps
+    (learnable) the gradient's pointer and strides."""
+    return [a for i, c in enumerate(caps) for a in [_Ptr(c.detach().reshape(-1).float())]
+            + [x for d in range(c.dim()) for x in (c.shape[d], c.stride(d))]
+            + ([_Ptr(dcaps[i])] + list(c.stride()) if dcaps else [])]
+
+
+@pytest.mark.parametrize("name,d,offsets", SOFTMAX_CASES, ids=_step_ids(SOFTMAX_CASES))
+def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path):
+    from types import SimpleNamespace
+    variant = _variant(name, H=2)
+    spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon", offsets=offsets)
+    built = plan.build("fwd", variant.analysis, spec, variant.captures)
+    source = codegen.render(built)
+    path = tmp_path / "fwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    step, block_range, block = _softmax_step_in_torch(module), _in_python(module._block_range), _in_python(module._block)
+    bm, bn = module.LAUNCH_TILES["attn_fwd"][:2]
+    bq, scale, h = module.WGS * bm, 0.125, 1
+    g = torch.Generator().manual_seed(3)
+    calls = [(200, 333, 300, 260), (200, 333, 700, 260)] if offsets else [(300, 420, 0, 0), (17, 1, 0, 0)]
+    for Lq, Lkv, q_off, kv_off in calls:  # chunks whose positions overlap, and (windows) chunks the mask empties
+        q, k, v = (torch.randn(n, d, generator=g) for n in (Lq, Lkv, Lkv))
+        caps = [c.tensor for c in variant.captures]
+        cap_args = _cap_args(caps)
+        p = SimpleNamespace(BLOCK_N=bn, sm_scale=scale, N_CTX_KV=Lkv, KV_OFF=kv_off)
+        b_t, h_t = torch.tensor(0), torch.tensor(h)
+        out = torch.zeros(Lq, d, dtype=torch.float64)
+        for m0 in range(0, Lq, bq):
+            q_idx = (m0 + torch.arange(bq))[:, None] + q_off
+            hoisted = [eval(text, {"gl": _GlTorch()}, dict(b=b_t, h=h_t, q_idx=q_idx, **dict(zip(
+                [a for c in built.captures for a in ", ".join(c.args).split(", ")], cap_args))))
+                for _, text in built.mods["attn_fwd"].hoisted]
+            C = _CInt
+            hi, full_lo, full_hi, n_hi, n_masked, n = block_range(C(0), C(h), C(q_off + m0), bq, C(Lkv), bn,
+                                                                   *([C(kv_off)] if offsets else []))
+            q_tile = torch.zeros(bq, d)
+            q_tile[:min(bq, Lq - m0)] = q[m0:m0 + bq]
+            m_i, l_i, o = torch.full((bq,), -float("inf")), torch.zeros(bq), torch.zeros(bq, d)
+            for it in range(int(n)):
+                kb = int(block(C(it), hi, full_lo, full_hi, n_hi, n_masked))
+                k_tile, v_tile = torch.zeros(bn, d), torch.zeros(bn, d)  # TMA zero-fills past the end
+                k_tile[:max(0, min(bn, Lkv - kb * bn))] = k[kb * bn:(kb + 1) * bn]
+                v_tile[:max(0, min(bn, Lkv - kb * bn))] = v[kb * bn:(kb + 1) * bn]
+                probs, m_i, l_i, alpha = step(p, q_tile @ k_tile.T, m_i, l_i, torch.tensor(kb), b_t, h_t, q_idx, *hoisted,
+                                              *cap_args, it == 0 or it < n_masked)
+                o = o * alpha[:, None] + probs @ v_tile
+            rows = min(bq, Lq - m0)
+            out[m0:m0 + rows] = torch.where(l_i[:rows, None] == 0, 0.0, o[:rows] / l_i[:rows, None]).double()
+        qp, kp = torch.arange(Lq)[:, None] + q_off, torch.arange(Lkv)[None, :] + kv_off
+        s = (q.double() @ k.double().T) * scale
+        if variant.score_mod is not None:
+            s = variant.score_mod(s, b_t, h_t, qp, kp).double()
+        if variant.mask_mod is not None:
+            s = s.masked_fill(~variant.mask_mod(b_t, h_t, qp, kp).expand(Lq, Lkv), -float("inf"))
+        ref = torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ v.double()
+        assert torch.isfinite(out).all()
+        err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert err < 1e-5, (name, d, Lq, Lkv, q_off, kv_off, err)
+
+
+# The Gluon backward's step as rendered (S^T from -lse2, dP^T from -Delta, the masks, dscore, the dK,
+# dV and dQ products, dQ's hand-over in the accumulator's order) on CPU tensors: shared memory as
+# tensors, the asynchronous products computed at issue, barriers as no-ops. A step runs twice per
+# warp group, so that dQ's product reads both warp groups' dS^T; the schedule, the preprocess (lse2,
+# Delta) and the dQ adds are the test's, after the kernel's. Against float64 autograd.
+class _Smem:
+    def __init__(self, t):
+        self.t = t
+
+    def index(self, i):
+        return _Smem(self.t[i])
+
+    def slice(self, start, n, dim=0):
+        return _Smem(self.t.narrow(dim, start, n))
+
+    def permute(self, dims):
+        return _Smem(self.t.permute(dims))
+
+    def load(self, layout=None):
+        return self.t.clone()
+
+    def store(self, x):
+        self.t.copy_(x)
+
+
+def _mma(a, b, acc, use_acc=True, is_async=True):
+    a, b = (x.t if isinstance(x, _Smem) else x for x in (a, b))
+    return (acc if use_acc else 0) + a.float() @ b.float()
+
+
+def _atomic_add(ptr, value, mask=True, sem=None):
+    off, value, mask = torch.broadcast_tensors(torch.as_tensor(ptr.offset), torch.as_tensor(value), torch.as_tensor(mask))
+    ptr.flat.index_add_(0, off[mask].reshape(-1), value[mask].reshape(-1).to(ptr.flat.dtype))
+
+
+class _GlBwd(_GlTorch):
+    BlockedLayout = staticmethod(lambda *a, **k: None)
+    atomic_add = staticmethod(_atomic_add)
+    zeros = staticmethod(lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype))
+    convert_layout = staticmethod(lambda x, layout: x)
+    reshape = staticmethod(lambda x, shape: x.reshape(shape))
+    permute = staticmethod(lambda x, dims: x.permute(dims))
+
+
+def _bwd_step_in_torch(module):
+    from types import SimpleNamespace
+    src = inspect.getsource(module._step.fn)
+    src = src[src.index("def "):]
+    env = {"gl": _GlBwd(), "_tanh": torch.tanh, "_sigmoid": torch.sigmoid, "Pipeline": object,
+           "mbarrier": SimpleNamespace(wait=lambda *a, **k: None, arrive=lambda *a, **k: None),
+           "fence_async_shared": lambda: None, "warpgroup_mma": _mma,
+           "warpgroup_mma_wait": lambda num_outstanding, deps: deps[0] if len(deps) == 1 else tuple(deps)}
+    exec(compile(src, module.__file__, "exec"), env)
+    return env["_step"]
+
+
+BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
+                  ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False),
+                  ("alibi-learn", 128, True), ("row_biases-learn", 64, False),  # capture gradients: per-step sums, atomics
+                  ("alibi-gqa", 64, False), ("causal-gqa", 128, True)]  # GQA 2: query heads in one program (64) or one each
+
+
+@pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=_step_ids(BWD_STEP_CASES))
+def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
+    from types import SimpleNamespace
+    name, learn, group = name.split("-")[0], name.endswith("-learn"), 2 if name.endswith("-gqa") else 1
+    variant = _variant(name, H=2)
+    caps = [c.tensor for c in variant.captures]
+    learnable = tuple(range(len(caps))) if learn else ()
+    spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon", offsets=offsets, learnable=learnable)
+    built = plan.build("bwd", variant.analysis, spec, variant.captures)
+    source = codegen.render(built)
+    path = tmp_path / "bwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    step = _bwd_step_in_torch(module)
+    q_range, q_block, q_rotation = (_in_python(f) for f in (module._q_range, module._q_block, module._q_rotation))
+    bm, bn, _, stages = module.LAUNCH_TILES["attn_bwd"]
+    bk, dq_n, scale, C = 2 * bn, bm * d // 128, 0.125, _CInt
+    Lq, Lkv, q_off, kv_off = (200, 333, 300, 260) if offsets else (300, 250, 0, 0)
+    g = torch.Generator().manual_seed(4)
+    q, do = (torch.randn(group, Lq, d, generator=g, dtype=torch.float64) for _ in range(2))  # query heads of K/V head 0
+    k, v = (torch.randn(Lkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    b_t = torch.tensor(0)
+    qp, kp = torch.arange(Lq)[:, None] + q_off, torch.arange(Lkv)[None, :] + kv_off
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [c.requires_grad_() for c in caps if learn]
+    lse, o = [], []
+    for hq in range(group):
+        h_t = torch.tensor(hq)
+        s = (leaves[0][hq] @ leaves[1].T) * scale
+        if variant.score_mod is not None:
+            s = variant.score_mod(s, b_t, h_t, qp, kp)
+        if variant.mask_mod is not None:
+            s = s.masked_fill(~variant.mask_mod(b_t, h_t, qp, kp).expand(Lq, Lkv), -float("inf"))
+        lse.append(torch.logsumexp(s, dim=1))
+        o.append(torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ leaves[2])
+    lse, o = torch.stack(lse), torch.stack(o)
+    want = torch.autograd.grad(o, leaves, do)
+    for c in caps:
+        c.requires_grad_(False)
+    assert all(w.norm() > 0 for w in want)  # the chunks' positions overlap: something to compare
+    lse2 = torch.where(torch.isinf(lse), 0.0, lse * 1.4426950408889634).detach().float()  # attn_bwd_preprocess's
+    delta = (do * o.detach()).sum(-1).float()
+    dcaps = [torch.zeros(c.numel()) for c in caps]
+    cap_args = _cap_args(caps, dcaps if learn else None)
+    lse_folds = "if p.FOLD_LSE:" in source
+    p = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, N_CTX_Q=Lq, N_CTX_KV=Lkv, Q_OFF=q_off,
+                        KV_OFF=kv_off, sm_scale=scale, lse_to_acc=-1.0 / (scale * 1.4426950408889634), FOLD_LSE=lse_folds,
+                        q_desc=SimpleNamespace(dtype=torch.float32), q_ready=_Smem(torch.zeros(stages)),
+                        do_ready=_Smem(torch.zeros(stages)), ds_ready=_Smem(torch.zeros(2)), dq_bars=_Smem(torch.zeros(4)),
+                        q_smem=_Smem(torch.zeros(stages, bm, d)), do_smem=_Smem(torch.zeros(stages, bm, d)),
+                        lse_smem=_Smem(torch.zeros(stages, bm)), delta_smem=_Smem(torch.zeros(stages, bm)),
+                        ds_smem=_Smem(torch.zeros(2, bk, bm)), dq_smem=_Smem(torch.zeros(2, dq_n // 4, 256)),
+                        k_smem=_Smem(torch.zeros(bk, d)), v_smem=_Smem(torch.zeros(bk, d)))
+    got = [torch.zeros(group, Lq, d), torch.zeros(Lkv, d), torch.zeros(Lkv, d)]
+    heads = 1 if Lkv >= module.SPLIT_HEADS_FROM else group  # query heads per program, as the launcher
+    for h0, kv_lo in ((h0, kv_lo) for h0 in range(0, group, heads) for kv_lo in range(0, Lkv, bk)):
+        # a program: its K/V tile, its query heads' tiles in the kernel's order
+        rows = min(bk, Lkv - kv_lo)
+        p.k_smem.t.zero_()[:rows] = k[kv_lo:kv_lo + rows].float()
+        p.v_smem.t.zero_()[:rows] = v[kv_lo:kv_lo + rows].float()
+        full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h0), C(kv_off + kv_lo if offsets else kv_lo), bk, C(Lq),
+                                                          C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
+        rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
+        kv_idx = [(kv_lo + wg * bn + torch.arange(bn))[:, None] + (kv_off if offsets else 0) for wg in (0, 1)]
+        acc = [[torch.zeros(bn, d), torch.zeros(bn, d)] for _ in (0, 1)]
+        for j in range(int(n) * heads):
+            m0, hq = int(q_block(C(j // heads), full_lo, full_hi, hi, n_hi, n_masked, rot)) * bm, h0 + j % heads
+            slot, qr = j % stages, min(bm, Lq - m0)
+            for buf, src in ((p.q_smem, q), (p.do_smem, do), (p.lse_smem, lse2), (p.delta_smem, delta)):
+                buf.t[slot].zero_()[:qr] = src[hq, m0:m0 + qr].float()  # TMA zero-fills; row statistics are 0 past the end
+            before = [dc.clone() for dc in dcaps]
+            for keep in (False, True):  # the first round writes both warp groups' dS^T
+                for dc, b0 in zip(dcaps, before):  # and capture gradients, which only the second keeps
+                    dc.copy_(b0)
+                for wg in (0, 1):
+                    dk, dv = step(p, wg, j, m0, b_t, torch.tensor(hq), acc[wg][0].clone(), acc[wg][1].clone(),
+                                  kv_idx[wg], p.k_smem.slice(wg * bn, bn), p.v_smem.slice(wg * bn, bn), None, None, None,
+                                  j < n_masked * heads, *cap_args)
+                    if keep:
+                        acc[wg] = [dk, dv]
+                        part = p.dq_smem.t[wg].reshape(dq_n // 8, 4, 8, 4, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(64, dq_n)
+                        if dq_n == d:  # query tiles of 128: each warp group has 64 of the rows
+                            got[0][hq, m0 + 64 * wg:m0 + 64 * wg + 64][:max(0, qr - 64 * wg)] += part[:max(0, qr - 64 * wg)]
+                        else:  # query tiles of 64: each warp group has half of the columns
+                            got[0][hq, m0:m0 + qr, wg * dq_n:(wg + 1) * dq_n] += part[:qr]
+        for wg in (0, 1):
+            r0 = kv_lo + wg * bn
+            r = max(0, min(bn, Lkv - r0))
+            got[1][r0:r0 + r] += acc[wg][0][:r] * scale  # programs of one query head each: float32 sums
+            got[2][r0:r0 + r] += acc[wg][1][:r]
+    got += [dc.reshape(c.shape) for dc, c in zip(dcaps, caps) if learn]
+    for what, a, b in zip(("dq", "dk", "dv", "dcap0", "dcap1"), got, want):
+        assert torch.isfinite(a).all(), what
+        err = ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()
+        assert err < 1e-4, (name, d, offsets, what, err)
