@@ -131,6 +131,7 @@ def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, 
         bq = module.WGS * bm
         block_range, block = _in_python(module._block_range), _in_python(module._block)
         outer, inner = (bq, Lq), (bn, Lkv)
+
         def ranges(m0):
             return block_range(C(0), C(h), C(q_off + m0), bq, C(Lkv), bn, *([C(kv_off)] if offsets else []))
 
