@@ -154,20 +154,11 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
     return None
 
 
-# Context parallelism (attncc.distributed) calls the kernels on chunks at their positions in the
-# whole sequence: the Gluon templates take them as Q_OFF, KV_OFF where the plan says (plan.offsets).
-# Those kernels render and compile for sm90 (tests/test_gluon_tier.py) but have not run on a GPU yet:
-# until tests/test_gpu_distributed.py passes on them, context_parallel keeps the Triton tier.
-GLUON_OFFSETS_CHECKED = False
-
-
 def choose_chunks(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, chunks) -> tuple[str, str]:
-    """(tier, why) of context parallelism's forward kernels, which run on chunks of q, k and v:
-    ``chunks`` holds each one's first chunk (the others start whole rows after it, so TMA addresses
-    them where it does these)."""
-    if not GLUON_OFFSETS_CHECKED:
-        return "triton", ("context parallelism: the Gluon tier's kernels at chunk positions are not checked on a "
-                          "GPU yet (tiers.GLUON_OFFSETS_CHECKED)")
+    """(tier, why) of context parallelism's forward kernels, which run on chunks of q, k and v at
+    their positions in the whole sequence (the Gluon templates take them as Q_OFF and KV_OFF where
+    plan.offsets says): ``chunks`` holds each one's first chunk (the others start whole rows after
+    it, so TMA addresses them where it does these)."""
     return choose(variant, target, dtype, d, dv, dropout, chunks)
 
 

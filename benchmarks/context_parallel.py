@@ -11,10 +11,7 @@ Every rank builds the same whole q, k, v (same seed) and takes its shard. Times 
 figure runs the whole sequence on rank 0 while the others wait (skipped with --no-single or when
 it does not fit). tokens/s = batch * whole sequence length / time; scaling = one device's time /
 the group's; efficiency = scaling / ranks; rel. err: ||out - one device's out|| / ||one device's||
-of the forward (auto method), a check that the run computes the right thing. On GPUs the
-one-device run is timed twice: with the tier attncc chooses (the efficiency's baseline) and with
-the Triton tier, which context_parallel's chunk kernels run until tiers.GLUON_OFFSETS_CHECKED (the
-tiers' gap is not the scaling's).
+of the forward (auto method), a check that the run computes the right thing.
 --json appends this run to a list in the file, so runs of 1, 2, 4 and 8 ranks gather in one.
 --profile DIR (GPUs, two ranks or more) traces the causal ring's forward and backward and says how
 much of the NCCL kernels' time runs under attention kernels.
@@ -74,14 +71,11 @@ def fwd_bwd(call, tensors, do):
     return run
 
 
-def one_device(variant, q, k, v, do, gqa, args, rank, device, tier=None):
+def one_device(variant, q, k, v, do, gqa, args, rank, device):
     """(fwd s, fwd+bwd s) of the whole sequence on rank 0 while the others wait at the barriers,
-    under ATTNCC_TIER=tier (None: as set), or None when it does not fit."""
-    old = os.environ.get("ATTNCC_TIER")
-    if tier is not None:
-        os.environ["ATTNCC_TIER"] = tier
+    or None when it does not fit."""
     try:
-        kernel = attncc.compile(variant)  # its own per-call decisions, taken under this tier
+        kernel = attncc.compile(variant)
         qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
         call = lambda a, b, c: kernel(a, b, c, enable_gqa=gqa)  # noqa: E731
         idle = lambda: None  # noqa: E731
@@ -89,9 +83,6 @@ def one_device(variant, q, k, v, do, gqa, args, rank, device, tier=None):
                 timed(fwd_bwd(call, (qf, kf, vf), do) if rank == 0 else idle, args.iters, args.warmup, device))
     except torch.OutOfMemoryError:
         return None
-    finally:
-        if tier is not None:
-            os.environ.pop("ATTNCC_TIER") if old is None else os.environ.__setitem__("ATTNCC_TIER", old)
 
 
 def comm_overlap(trace_path):
@@ -192,11 +183,7 @@ def main():
         if name not in args.variants.split(","):
             continue
         kernel = attncc.compile(variant)
-        single = single_triton = None
-        if not args.no_single:
-            single = one_device(variant, q, k, v, do, H != Hkv, args, rank, device)
-            if GPU:  # the Triton tier, which context_parallel's chunks run until tiers.GLUON_OFFSETS_CHECKED
-                single_triton = one_device(variant, q, k, v, do, H != Hkv, args, rank, device, tier="triton")
+        single = None if args.no_single else one_device(variant, q, k, v, do, H != Hkv, args, rank, device)
         with torch.no_grad():  # the result, checked against one device's on rank 0
             want = kernel(q, k, v, enable_gqa=H != Hkv) if rank == 0 else None
             got = unshard(kernel.context_parallel(qs, ks, vs, layout=args.layout, enable_gqa=H != Hkv), None,
@@ -208,8 +195,7 @@ def main():
                                                            enable_gqa=H != Hkv)
             f = timed(lambda: call(qs.detach(), ks.detach(), vs.detach()), args.iters, args.warmup, device)
             fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device)
-            rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single,
-                             single_triton=single_triton, err=err))
+            rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single, err=err))
             if args.profile and GPU and method == "ring" and name == "causal" and world > 1:
                 rows[-1]["comm_ms"], rows[-1]["comm_hidden"] = profile_ring(call, (qs, ks, vs), dos, args, rank,
                                                                             world, device) or (None, None)
@@ -240,9 +226,9 @@ def main():
         if r.get("comm_hidden") is not None:
             print(f"{r['variant']} {r['system']}: NCCL kernels {r['comm_ms']:.2f} ms per forward+backward, "
                   f"{r['comm_hidden']:.0%} of it under compute kernels (trace in {args.profile})")
-    for key, what in (("single", "one device, whole sequence"), ("single_triton", "one device, Triton tier")):
-        for name, (f, fb) in {r["variant"]: r[key] for r in rows if r.get(key)}.items():
-            print(f"{name:16s} {what:32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} {tokens / fb:12,.0f}")
+    for name, (f, fb) in {r["variant"]: r["single"] for r in rows if r.get("single")}.items():
+        print(f"{name:16s} {'one device, whole sequence':32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} "
+              f"{tokens / fb:12,.0f}")
     if args.json:  # one entry per run: runs of 1, 2, 4 and 8 ranks gather in one file
         runs = json.load(open(args.json)) if os.path.exists(args.json) else []
         runs.append(dict(world=world, backend="nccl" if GPU else "gloo", B=B, H=H, Hkv=Hkv, D=D, L=L,

@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee "$out/gpus.t
 
 case "${1:-}" in
 tests)
-    python -m pytest -m gpu -q -x tests/test_gpu_distributed.py -k nccl 2>&1 | tee "$out/nccl-tests.log"
+    python -m pytest -m gpu -q -s -rf tests/test_gpu_distributed.py -k nccl 2>&1 | tee "$out/nccl-tests.log"
     ;;
 bench)
     # shape: whole length, query heads, K/V heads, iterations; the one-device run only where it fits

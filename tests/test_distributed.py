@@ -48,6 +48,8 @@ def _case(name, L, H=2, device="cpu"):
         v = attncc.Variant(None, lambda b, h, q, kv: q >= kv)
     elif name == "dropout":
         v = attncc.Variant(None, lambda b, h, q, kv: q >= kv, dropout_p=0.25)
+    elif name == "holes":  # rows with no key at all, in every pair they meet (both merge sides empty)
+        v = attncc.Variant(None, lambda b, h, q, kv: (q >= kv) & (q % 7 != 3))
     elif name == "band":  # empties every chunk pair off the diagonal, on both sides
         v = attncc.Variant(None, lambda b, h, q, kv: (q - kv <= 6) & (kv - q <= 6))
     else:
@@ -131,7 +133,7 @@ def _spawn(world, job, *args):
 
 
 MASKS = ("causal", "sliding_window", "document", "prefix_lm", "alibi")
-MODS = ("softcap", "rel_bias", "gqa", "band")
+MODS = ("softcap", "rel_bias", "gqa", "band", "holes")
 ALL_RUNS = tuple((layout, method) for layout in ("contiguous", "zigzag") for method in ("ring", "allgather"))
 RING = (("contiguous", "ring"), ("zigzag", "ring"))
 
@@ -307,8 +309,8 @@ def test_auto_method_says_which_and_why(caplog):
 
 
 def test_context_parallel_backward_keeps_the_triton_tier(monkeypatch):
-    """Where the forward's chunk kernels are the Triton tier's (the interpreter here; on sm90 until
-    tiers.GLUON_OFFSETS_CHECKED), the backward's are too, whatever tier it would choose (forced to
+    """Where the forward's chunk kernels are the Triton tier's (the interpreter here; on sm90 where
+    the Gluon tier does not fit), the backward's are too, whatever tier it would choose (forced to
     gluon here): only a Gluon forward's Spec asks for Gluon kernels at chunk positions."""
     from attncc import tiers
     g = torch.Generator().manual_seed(5)

@@ -176,15 +176,12 @@ def test_rendered_gluon_source_matches_snapshot(kind, name, d, group, dtype, req
                     f"and commit the file):\n{diff[:6000]}")
 
 
-def test_context_parallel_tier_choice(monkeypatch):
-    """context_parallel's chunk kernels: the Triton tier until tiers.GLUON_OFFSETS_CHECKED, then the
-    Gluon tier where it fits, its kernels rendered with Q_OFF and KV_OFF (plan.offsets, which the
-    Triton tier leaves off: it takes them always), and the backward's Spec inherits them."""
+def test_context_parallel_tier_choice():
+    """context_parallel's chunk kernels: the Gluon tier where it fits, its kernels rendered with
+    Q_OFF and KV_OFF (plan.offsets, which the Triton tier leaves off: it takes them always), and
+    the backward's Spec inherits them."""
     causal = _variant("causal")
     chunks = tuple(torch.zeros(1, 2, 512, 128, dtype=torch.bfloat16) for _ in range(3))
-    tier, why = tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 128, 128, False, chunks)
-    assert tier == "triton" and "GLUON_OFFSETS_CHECKED" in why
-    monkeypatch.setattr(tiers, "GLUON_OFFSETS_CHECKED", True)
     assert tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 128, 128, False, chunks)[0] == "gluon"
     assert tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 128, 128, True, chunks)[0] == "triton"  # dropout
     strided = tuple(torch.zeros(1, 2, 512, 129, dtype=torch.bfloat16)[..., :128] for _ in range(3))

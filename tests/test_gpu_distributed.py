@@ -11,6 +11,8 @@ with one process per GPU under NCCL (2, 4 and 8 ranks, as many as there are GPUs
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
 # dropout) in fp16 too: compiling the kernels dominates the run time (each (variant, dtype) pair
 # compiles single-GPU and context-parallel forward and backward kernels), not the runs
 CASES = [(name, "bf16") for name in ("causal", "sliding_window", "document", "prefix_lm", "alibi", "softcap",
-                                     "rel_bias", "gqa", "dropout", "band")]
+                                     "rel_bias", "gqa", "dropout", "band", "holes")]
 CASES += [(name, "fp16") for name in ("causal", "document", "rel_bias", "dropout")]
 
 
@@ -67,20 +69,19 @@ def test_ranks_one_after_another_equal_single_gpu(name, dtype, world, layout, me
     _assert_matches(got, want, dtype, f"{name} {layout} {method} W={world}")
 
 
-# The Gluon tier's kernels at chunk positions (plan.offsets), which context_parallel takes once
-# tiers.GLUON_OFFSETS_CHECKED says they passed here: forced on (ATTNCC_TIER=gluon, so that the
-# backward takes them at these short chunks too) for the variants the tier runs
-GLUON_CASES = [(name, "bf16") for name in ("causal", "sliding_window", "prefix_lm", "alibi", "softcap", "gqa", "band")]
+# The Gluon tier's kernels at chunk positions (plan.offsets), which context_parallel takes where the
+# tier fits: forced on (ATTNCC_TIER=gluon, so that the backward takes them at these short chunks
+# too) for the variants the tier runs
+GLUON_CASES = [(name, "bf16") for name in ("causal", "sliding_window", "prefix_lm", "alibi", "softcap", "gqa", "band",
+                                           "holes")]
 GLUON_CASES += [(name, "fp16") for name in ("causal", "alibi")]
 
 
 @pytest.mark.parametrize("world,layout,method", RUNS, ids=[f"{w}x{lay}-{m}" for w, lay, m in RUNS])
 @pytest.mark.parametrize("name,dtype", GLUON_CASES, ids=[f"{n}-{d}" for n, d in GLUON_CASES])
 def test_gluon_tier_chunks_equal_single_gpu(name, dtype, world, layout, method, monkeypatch):
-    from attncc import tiers
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon tier runs on sm90")
-    monkeypatch.setattr(tiers, "GLUON_OFFSETS_CHECKED", True)
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     dtype = DTYPES[dtype]
     L = 1024
@@ -138,20 +139,25 @@ def _nccl_worker(rank, world, port, cases):
             q, k, v, do, dl = _inputs(H, Hkv, L, batch=2, dim=128, dtype=dtype, device=device)
             want = _single(kernel, q, k, v, do, dl, learn, H != Hkv) if rank == 0 else None
             for layout, method in RUN_ALL:
+                start = time.perf_counter()
                 got = _sharded(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout, method)
                 if rank == 0:
+                    what = f"{name} {str(dtype)[6:]} {layout} {method} NCCL W={world}"
                     try:
-                        _assert_matches(got, want, dtype, f"{name} {layout} {method} NCCL W={world}")
+                        _assert_matches(got, want, dtype, what)
+                        print(f"{what}: ok ({time.perf_counter() - start:.1f} s)", flush=True)  # seen with -s
                     except AssertionError as e:
                         failures.append(str(e).splitlines()[0])
+                        print(failures[-1], flush=True)
     finally:
         dist.destroy_process_group()
     assert not failures, f"{len(failures)} context-parallel runs differ from single-GPU attncc:\n" + "\n".join(failures)
 
 
 @pytest.mark.skipif(not WORLDS, reason="needs at least two CUDA GPUs")
-@pytest.mark.parametrize("world", WORLDS or [2])
-def test_nccl_ranks_equal_single_gpu(world):
+@pytest.mark.parametrize("world", WORLDS or [2], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_nccl_ranks_equal_single_gpu(name, dtype, world):
     """Every variant of the CPU list in bf16 (those with code paths of their own in fp16 too), both
     layouts, ring and all-gather, forward and backward, dropout: out, lse and every gradient."""
     import socket
@@ -160,4 +166,4 @@ def test_nccl_ranks_equal_single_gpu(world):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_nccl_worker, args=(world, port, CASES), nprocs=world, join=True)
+    mp.spawn(_nccl_worker, args=(world, port, [(name, dtype)]), nprocs=world, join=True)

@@ -2,8 +2,9 @@
 
 Each rank passes its shards of q, k and v (attncc.distributed.shard) and gets its rows of the
 attention over the whole sequence: the mods see global positions. Before anything is sent,
-every rank's call is compared (all_gather_object of a small signature): a bad input on any rank
-is an AttnccError on every rank, naming the rank, never a hang. Then ``method`` runs
+every rank's call is compared (an all-gather of a digest of its signature; where they differ, of
+the signatures): a bad input on any rank is an AttnccError on every rank, naming the rank, never
+a hang. Then ``method`` runs
 (attncc.distributed.ring), inside one autograd.Function whose backward runs the same method.
 """
 from __future__ import annotations
@@ -54,26 +55,36 @@ def prepare(compiled, query, key, value, *, group, layout, method, enable_gqa, t
     variant = compiled.variant
     captures = [c.tensor for c in variant.captures]
     dropout = training and variant.dropout_p > 0
-    rng = autograd.draw_rng(generator).tolist() if dropout else None  # advances each rank's generator alike
+    rng = autograd.draw_rng(generator).tolist() if dropout else [0, 0]  # advances each rank's generator alike
     local_error, lay, sig = _local_check(compiled, comm, query, key, value, captures, layout, method, enable_gqa,
                                          dropout)
     tensors = (query, key, value, *captures)
     grad = all(isinstance(t, torch.Tensor) for t in tensors) and autograd.needs_grad(tensors)
-    views = comm.gather_objects((local_error, sig, grad, rng))
+    digest = int.from_bytes(hashlib.sha1(repr((sig, grad)).encode()).digest()[:8], "little", signed=True)
+    table = comm.gather_ints([int(local_error is not None), digest, *rng])
+    if any(row[0] for row in table) or any(row[1] != digest for row in table):
+        _disagreement(comm, local_error, sig, grad)  # every rank sees the same table: all of them come here
+    rng = table[0][2:] if dropout else None  # rank 0's draw: one dropout mask for the whole sequence
+    setup = _setup(compiled, comm, lay, query, key, value, captures, rng, variant.dropout_p if dropout else 0.0)
+    chosen, _ = choose_method(setup, comm, query, key, value, method)
+    return (setup, comm, chosen), grad
+
+
+def _disagreement(comm, local_error, sig, grad):
+    """Raise the AttnccError that names what went wrong on which rank (every rank calls it)."""
+    views = comm.gather_objects((local_error, sig, grad))
     errors = [f"rank {r}: {e}" for r, (e, *_) in enumerate(views) if e]
     if errors:
         raise AttnccError("context_parallel: " + "; ".join(errors))
-    for r, (_, other, other_grad, _) in enumerate(views):
+    for r, (_, other, other_grad) in enumerate(views):
         if other != sig or other_grad != grad:
             diff = [f"{name} {a!r} vs {b!r}" for (name, a), (_, b) in zip(sig + (("needs grad", grad),),
                                                                             other + (("needs grad", other_grad),))
                     if a != b]
             raise AttnccError(f"context_parallel: rank {r} disagrees with rank {comm.rank}: {', '.join(diff)}; "
                               "every rank must call with the same variant, layout, method and shard shapes")
-    rng = views[0][3]  # rank 0's draw: one dropout mask for the whole sequence
-    setup = _setup(compiled, comm, lay, query, key, value, captures, rng, variant.dropout_p if dropout else 0.0)
-    chosen, _ = choose_method(setup, comm, query, key, value, method)
-    return (setup, comm, chosen), grad
+    raise AttnccError("context_parallel: the ranks' calls differ (their signatures' digests do); every rank must "
+                      "call with the same variant, layout, method and shard shapes")
 
 
 def _local_check(compiled, comm, q, k, v, captures, layout, method, enable_gqa, dropout):
@@ -151,10 +162,15 @@ def _bounds_fn(compiled_key, mask):
 def _empty_pairs(compiled, cq, ck, n) -> frozenset:
     """(query chunk, key chunk) pairs whose keys lie outside the mask's reach for the chunk's
     queries: derived from the mask (attncc.passes.bounds), never assumed."""
-    facts = compiled.variant.analysis.facts
-    if facts.mask_trivial:
+    if compiled.variant.analysis.facts.mask_trivial:
         return frozenset()
-    reach = _bounds_fn(compiled.variant.ir_key, compiled.variant.analysis.mask)
+    return _empty_pairs_of(compiled.variant.ir_key, compiled.variant.analysis.mask, cq, ck, n)
+
+
+@lru_cache(maxsize=256)
+def _empty_pairs_of(compiled_key, mask, cq, ck, n) -> frozenset:
+    """_empty_pairs, once per variant and chunking (sympy's substitutions took ~2 ms a call at 8 chunks)."""
+    reach = _bounds_fn(compiled_key, mask)
     if reach is None:
         return frozenset()
     empty = set()

@@ -59,6 +59,13 @@ class Comm:
         self.dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_ints(self, values) -> list:
+        """Every rank's ``values`` (ints, as many on each rank): one small all-gather, on the host
+        where the group has a CPU backend."""
+        cuda = "nccl" in self.backend and "cpu:" not in self.backend
+        t = torch.tensor(values, dtype=torch.int64, device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        return torch.stack(self.all_gather(t)).tolist()
+
     def ring_start(self, tensors):
         """Send ``tensors`` to rank + 1 and receive their like from rank - 1, asynchronously."""
         if self.world == 1:
@@ -144,6 +151,9 @@ class _ThreadComm:
 
     def gather_objects(self, obj) -> list:
         return self._exchange(obj)
+
+    def gather_ints(self, values) -> list:
+        return self._exchange(list(values))
 
     def ring_start(self, tensors):
         slots = self._exchange([t.clone() for t in tensors])

@@ -76,9 +76,9 @@ def pair_is_empty(s: Setup, caps, q, i: int, j: int) -> bool:
 
 
 def forward_pair(s: Setup, q, k, v, caps, i: int, kv_off: int):
-    """float32 (out, lse) of query chunk i (q) against keys k, v starting at position kv_off. The
-    Gluon tier writes out in q's dtype (its TMA store takes that dtype), which the merges take
-    from there in float32; the Triton tier writes float32."""
+    """(out, lse) of query chunk i (q) against keys k, v starting at position kv_off: lse float32,
+    out float32 from the Triton tier and in q's dtype from the Gluon tier (its TMA store takes
+    that dtype), which the merges take from there in float32."""
     B, H, L, _ = q.shape
     gluon = s.spec.tier == "gluon"
     out = torch.empty(B, H, L, v.shape[-1], dtype=q.dtype if gluon else torch.float32, device=q.device)
@@ -89,7 +89,7 @@ def forward_pair(s: Setup, q, k, v, caps, i: int, kv_off: int):
                        blocks=_blocks(s, module, caps, q, i, None, k.shape[2], kv_off),
                        q_off=i * s.cq, kv_off=kv_off, n_kv_all=s.lkv)
     autograd.with_fallback(s.compiled, "fwd", s.spec, run, q, k)
-    return (out.float() if gluon else out), lse
+    return out, lse
 
 
 def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps, i: int, kv_off: int):
@@ -107,14 +107,29 @@ def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps
 
 
 def merge(a, b):
-    """(out, lse) of the keys of two partials: float32 (B, H, L, Dv) and (B, H, L), lse -inf for
-    rows without keys. In torch, not attncc.merge_states's kernel: a few elementwise ops on the
-    chunk's rows, next to the chunk's O(L^2) attention (and interpreted kernels cost ~0.1 s each)."""
+    """(out, lse) of the keys of two partials: out float32 (B, H, L, Dv) (b's may be q's dtype),
+    lse (B, H, L), -inf for rows without keys. In torch, not attncc.merge_states's kernel: a few
+    ops on the chunk's rows, one of them the size of out, next to the chunk's O(L^2) attention
+    (and interpreted kernels cost ~0.1 s each). The weights exp(lse_x - lse) sum to one, so out is
+    o_a + w_b (o_b - o_a); rows without keys on both sides keep o_a's zeros."""
     (o_a, l_a), (o_b, l_b) = a, b
     lse = torch.logaddexp(l_a, l_b)
-    base = torch.where(torch.isneginf(lse), 0.0, lse)  # both empty: weights 0, not nan
-    w_a, w_b = torch.exp(l_a - base), torch.exp(l_b - base)
-    return o_a * w_a[..., None] + o_b * w_b[..., None], lse
+    w_b = torch.exp(l_b - lse).nan_to_num_(0.0)  # -inf - -inf: no keys either side
+    return torch.lerp(o_a.float(), o_b.float(), w_b[..., None]), lse
+
+
+def _add(parts: list, i: int, g):
+    """parts[i] += g, or parts[i] = g for the first one (the kernel's buffer, no copy)."""
+    if parts[i] is None:
+        parts[i] = g
+    else:
+        parts[i] += g
+
+
+def _joined(parts: list, like, n: int):
+    """The chunks of ``parts`` in order along the sequence, zeros where none was added: float32."""
+    B, H, _, D = like.shape
+    return torch.cat([p if p is not None else like.new_zeros(B, H, n, D, dtype=torch.float32) for p in parts], 2)
 
 
 def _qchunks(s: Setup, t):
@@ -133,7 +148,7 @@ def _finish(s: Setup, parts, q, dv: int, dtype):
         if p is None:  # every key masked: out 0, lse -inf, as single-GPU attention
             p = (q.new_zeros(B, H, s.cq, dv, dtype=torch.float32),
                  q.new_full((B, H, s.cq), float("-inf"), dtype=torch.float32))
-        outs.append(p[0])
+        outs.append(p[0])  # a single partial may be in q's dtype
         lses.append(p[1])
     return torch.cat(outs, 2).to(dtype), torch.cat(lses, 2)
 
@@ -190,43 +205,56 @@ def _row_stats(s: Setup, lse, dlse):
     return lses, dlses
 
 
+def _backward_order(s: Setup, caps, q, rank: int, src: int) -> list:
+    """(key chunk b, its query chunks a) of shard ``src`` as ``rank`` computes them in the ring's
+    backward: chunks with fewer pairs first (their accumulators leave under the others' compute).
+    Any rank can tell another's order: a rank receives accumulators in its sender's."""
+    mine = s.layout.chunks[rank]
+    pairs = [(b, [a for a, i in enumerate(mine) if not pair_is_empty(s, caps, q, i, j)])
+             for b, j in enumerate(s.layout.chunks[src])]
+    return sorted(pairs, key=lambda p: len(p[1]))
+
+
 def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
     """dq, dk, dv (float32) and the capture gradients of this rank's shards (summed over its pairs).
-    A step adds its pairs' dK/dV into buffers of its own; the shard's accumulators arrive from
-    rank - 1 while it computes, take those, and leave for rank + 1 while the next step computes,
-    so their transfer is hidden as the K/V shards' is (added in place at the end of the step they
-    would wait for it, exposed; W moves bring them home)."""
+    Each key chunk of the shard at hand has its accumulators (dK, dV), which arrive from rank - 1
+    while the step computes, take the chunk's pairs, and leave for rank + 1 as soon as those are
+    done: the transfers run under the compute of the step's other chunks and the next step (the
+    last step's last chunk's is exposed; W moves bring them home)."""
     q, k, v, out, dout = _work(s, q, k, v, out, dout)
     qs, outs, douts = _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout)
     lses, dlses = _row_stats(s, lse, dlse)
     dcaps = _grad_buffers(s, bwd_spec, caps, learnable, q.device)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dqs = _qchunks(s, dq)
-    cur, src, moved = [k, v], s.rank, None
+    dqs = [None] * len(qs)
+    moved = [None] * s.layout.per_rank  # per key chunk of the shard at hand: its accumulators from rank - 1
+    cur, src, prev = [k, v], s.rank, (s.rank - 1) % comm.world
     for step in range(comm.world):
         pending = comm.ring_start(cur) if step < comm.world - 1 else None
         ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
-        part = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]  # this step's dK, dV
-        dks, dvs = _kvchunks(s, part[0]), _kvchunks(s, part[1])
-        for a, i in enumerate(s.mine):
-            for b, j in enumerate(s.layout.chunks[src]):
-                if pair_is_empty(s, caps, qs[a], i, j):
-                    continue
+        # the k-th accumulators this rank sends go with the k-th that rank - 1 sends, in its order
+        theirs = [b for b, _ in _backward_order(s, caps, qs[0], prev, (src - 1) % comm.world)]
+        arriving = [None] * len(moved)
+        for n, (b, pairs) in enumerate(_backward_order(s, caps, qs[0], s.rank, src)):
+            part = [None, None]  # this step's dK, dV of key chunk b
+            for a in pairs:
                 g = backward_pair(s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a], douts[a], dlses[a], caps,
-                                  dcaps, i, j * s.ck)
-                dqs[a] += g[0]
-                dks[b] += g[1]
-                dvs[b] += g[2]
-        acc = part
-        if moved is not None:  # the shard's accumulators from the ranks before, sent under this step
-            acc = moved.wait()
-            acc[0] += part[0]
-            acc[1] += part[1]
-        moved = comm.ring_start(acc)  # on to rank + 1, under the next step's compute
+                                  dcaps, s.mine[a], s.layout.chunks[src][b] * s.ck)
+                _add(dqs, a, g[0])
+                _add(part, 0, g[1])
+                _add(part, 1, g[2])
+            if moved[b] is not None:  # the chunk's accumulators from the ranks before
+                acc = moved[b].wait()
+                if part[0] is not None:
+                    torch._foreach_add_(acc, part)
+            else:
+                acc = [p if p is not None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                       for p, t in zip(part, (ks[b], vs[b]))]
+            arriving[theirs[n]] = comm.ring_start(acc)  # on to rank + 1
+        moved = arriving
         if pending is not None:
             cur, src = pending.wait(), (src - 1) % comm.world
-    acc = moved.wait()  # the W-th move: this rank's own shard, every rank's pairs in it
-    return dq, acc[0], acc[1], dcaps
+    home = [m.wait() for m in moved]  # the W-th move: this rank's own shard, every rank's pairs in it
+    return (_joined(dqs, q, s.cq), torch.cat([h[0] for h in home], 2), torch.cat([h[1] for h in home], 2), dcaps)
 
 
 def allgather_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
@@ -234,17 +262,15 @@ def allgather_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, 
     kw, vw = gather_kv(s, comm, k, v)
     lses, dlses = _row_stats(s, lse, dlse)
     dcaps = _grad_buffers(s, bwd_spec, caps, learnable, q.device)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkw = torch.zeros(kw.shape, dtype=torch.float32, device=q.device)
-    dvw = torch.zeros(vw.shape, dtype=torch.float32, device=q.device)
-    for a, (i, qc, oc, doc, dqc) in enumerate(zip(s.mine, _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout),
-                                                  _qchunks(s, dq))):
+    dqs, dkv = [], [None, None]  # dK and dV of every key, the first query chunk's buffers as they come
+    for a, (i, qc, oc, doc) in enumerate(zip(s.mine, _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout))):
         g = backward_pair(s, bwd_spec, qc, kw, vw, oc, lses[a], doc, dlses[a], caps, dcaps, i, 0)
-        dqc += g[0]
-        dkw += g[1]
-        dvw += g[2]
+        dqs.append(g[0])
+        _add(dkv, 0, g[1])
+        _add(dkv, 1, g[2])
+    dkw, dvw = dkv
     # every rank's contribution to every key, summed on the rank that holds the key: a reduce-scatter
     # of each rank's chunks as one block (half the bytes an all-reduce moves)
     held = lambda t, r: torch.cat([t[:, :, c * s.ck:(c + 1) * s.ck] for c in s.layout.chunks[r]], 2)  # noqa: E731
     dk, dv = (comm.reduce_scatter([held(t, r) for r in range(comm.world)]) for t in (dkw, dvw))
-    return dq, dk, dv, dcaps
+    return torch.cat(dqs, 2), dk, dv, dcaps
