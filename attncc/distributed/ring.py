@@ -37,6 +37,7 @@ class Setup:
     lq: int            # whole query length
     lkv: int           # whole key length
     empty: frozenset   # (query chunk, key chunk) pairs the mask empties (ring skips them)
+    tile_empty: frozenset | None = None  # this rank's pairs whose tile classes keep nothing (pair_is_empty)
 
     @property
     def interpret(self) -> bool:
@@ -67,12 +68,22 @@ def pair_is_empty(s: Setup, caps, q, i: int, j: int) -> bool:
     bounds (Setup.empty) or, for a mask that reads captured tensors, from its tile classes."""
     if (i, j) in s.empty:
         return True
+    if s.tile_empty is None:
+        s.tile_empty = _tile_empty(s, caps, q)
+    return (i, j) in s.tile_empty
+
+
+def _tile_empty(s: Setup, caps, q) -> frozenset:
+    """The pairs of this rank's query chunks that a mask reading captured tensors empties, from
+    their tile classes, read on the host once for all of them (the forward and the backward of
+    the call ask again and again); none for other masks."""
     fwd = s.compiled.module("fwd", s.spec)
-    if not fwd.BLOCK_SPARSE:
-        return False
-    table = blocks.fine_classes(fwd, caps, q.shape[0], q.shape[1], s.cq, s.ck, fwd.CLASS_PER_HEAD, q.device,
-                                (i * s.cq, j * s.ck))
-    return not bool(table.any())
+    todo = [(i, j) for i in s.mine for j in range(s.layout.n_chunks) if (i, j) not in s.empty]
+    if not fwd.BLOCK_SPARSE or not todo:
+        return frozenset()
+    kept = torch.stack([blocks.fine_classes(fwd, caps, q.shape[0], q.shape[1], s.cq, s.ck, fwd.CLASS_PER_HEAD,
+                                            q.device, (i * s.cq, j * s.ck)).any() for i, j in todo]).tolist()
+    return frozenset(pair for pair, any_kept in zip(todo, kept) if not any_kept)
 
 
 def forward_pair(s: Setup, q, k, v, caps, i: int, kv_off: int):
