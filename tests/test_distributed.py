@@ -243,6 +243,30 @@ def test_ring_skips_pairs_of_a_data_dependent_mask(monkeypatch):
     assert sorted(calls) == [(i, i * 32) for i in range(4)]  # only the diagonal pairs ran
 
 
+def test_ring_in_bfloat16_rounds_once():
+    """bf16 shards on three ranks (the interpreter computes on float32 copies): the ring's dK/dV
+    accumulators come home rounded to bf16 on their last move, which is the one rounding single-
+    process attncc makes too; out, lse and the gradients agree with it in bf16."""
+    L = 96  # 6 zigzag chunks of 16
+    variant, H, Hkv, learn = _case("alibi", L)
+    kernel = attncc.compile(variant)
+    q, k, v, do, dl = _inputs(H, Hkv, L, dtype=torch.bfloat16)
+    want = _single(kernel, q, k, v, do, dl, learn, False)
+    sent = [[] for _ in range(3)]  # per rank: the dtypes of each ring move
+
+    def rank(comm):
+        start = comm.ring_start
+        comm.ring_start = lambda ts: sent[comm.rank].append({t.dtype for t in ts}) or start(ts)
+        return _sharded(kernel, comm, q, k, v, do, dl, learn, False, "zigzag", "ring")
+
+    got = ThreadGroup(3).run(rank)[0]
+    for moves in sent:  # K/V (float32 copies here) and the accumulators in float32; bf16 on the last move only
+        assert moves[-1] == {torch.bfloat16} and all(m == {torch.float32} for m in moves[:-1]), moves
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"bf16 {name}: {m}")
+
+
 def test_shard_unshard_round_trip_and_balanced_layout():
     x = torch.arange(2 * 96).view(1, 2, 96, 1).float()
     for layout in ("contiguous", "zigzag"):

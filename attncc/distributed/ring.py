@@ -217,13 +217,16 @@ def _row_stats(s: Setup, lse, dlse):
 
 
 def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
-    """dq, dk, dv (float32) and the capture gradients of this rank's shards (summed over its pairs).
-    A step collects its pairs' dK/dV per key chunk (the first pair's buffers as they come); the
-    shard's accumulators arrive from rank - 1 while it computes, take those, and leave for
-    rank + 1 while the next step computes, so their transfer is hidden as the K/V shards' is
-    (added in place at the end of the step they would wait for it, exposed; W moves bring them
-    home). Sending each chunk's as soon as its pairs were done measured no faster (H200 x4): a
-    batched send waits for its receiver to reach the same point, which stalled the steps instead."""
+    """dq (float32), dk, dv (in k's dtype) and the capture gradients of this rank's shards (summed
+    over its pairs). A step collects its pairs' dK/dV per key chunk (the first pair's buffers as
+    they come); the shard's accumulators arrive from rank - 1 while it computes, take those, and
+    leave for rank + 1 while the next step computes, so their transfer is hidden as the K/V
+    shards' is (added in place at the end of the step they would wait for it, exposed; W moves
+    bring them home; the last move, exposed, carries them rounded to k's dtype, as nothing is
+    added to them after it: half the bytes, the same result). Sending each chunk's as soon as
+    its pairs were done measured no faster (H200 x4): a batched send waits for its receiver to
+    reach the same point, which stalled the steps instead."""
+    dtype = k.dtype
     q, k, v, out, dout = _work(s, q, k, v, out, dout)
     qs, outs, douts = _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout)
     lses, dlses = _row_stats(s, lse, dlse)
@@ -251,6 +254,8 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
         if moved is not None:  # the shard's accumulators from the ranks before, sent under this step
             acc = moved.wait()
             torch._foreach_add_(acc, part)
+        if step == comm.world - 1:  # complete: home in k's dtype
+            acc = [t.to(dtype) for t in acc]
         moved = comm.ring_start(acc)  # on to rank + 1, under the next step's compute
         if pending is not None:
             cur, src = pending.wait(), (src - 1) % comm.world
