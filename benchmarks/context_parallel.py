@@ -140,7 +140,8 @@ def torch_cp_causal(q, k, v, do, args, device):
         qf, kf, vf, dof = (t.clone() for t in (q, k, v, do))
         with context_parallel(mesh, buffers=[qf, kf, vf, dof], buffer_seq_dims=[2, 2, 2, 2]):
             qs, ks, vs = (t.detach().requires_grad_() for t in (qf, kf, vf))
-            sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+            gqa = q.shape[1] != k.shape[1]
+            sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)  # noqa: E731
             f = timed(lambda: sdpa(qs, ks, vs), args.iters, args.warmup, device)
             fb = timed(fwd_bwd(sdpa, (qs, ks, vs), dof), args.iters, args.warmup, device)
         return f, fb
