@@ -14,7 +14,7 @@ the group's; efficiency = scaling / ranks; rel. err: ||out - one device's out|| 
 of the forward (auto method), a check that the run computes the right thing.
 --json appends this run to a list in the file, so runs of 1, 2, 4 and 8 ranks gather in one.
 --profile DIR (GPUs, two ranks or more) traces the causal ring's forward and backward and says how
-much of the NCCL kernels' time runs under attention kernels.
+much of the ring's NCCL send/receive time runs under attention kernels.
 """
 from __future__ import annotations
 
