@@ -48,6 +48,8 @@ def _case(name, L, H=2, device="cpu"):
         v = attncc.Variant(None, lambda b, h, q, kv: q >= kv)
     elif name == "dropout":
         v = attncc.Variant(None, lambda b, h, q, kv: q >= kv, dropout_p=0.25)
+    elif name == "window":  # one-sided and shorter than a chunk of 4 contiguous ranks: the ring stops early
+        v = attncc.Variant(None, lambda b, h, q, kv: (q >= kv) & (q - kv < 12))
     elif name == "holes":  # rows with no key at all, in every pair they meet (both merge sides empty)
         v = attncc.Variant(None, lambda b, h, q, kv: (q >= kv) & (q % 7 != 3))
     elif name == "band":  # empties every chunk pair off the diagonal, on both sides
@@ -157,7 +159,7 @@ def test_four_ranks():
 
 def _four_ranks_job(comm):
     _run_cases(comm, ("causal",), ALL_RUNS, 64)
-    _run_cases(comm, ("document", "rel_bias", "band"), RING, 64)
+    _run_cases(comm, ("document", "rel_bias", "band", "window"), RING, 64)
     _run_cases(comm, ("dropout",), (("contiguous", "ring"),), 128)
 
 
@@ -256,7 +258,7 @@ def test_ring_in_bfloat16_rounds_once():
 
     def rank(comm):
         start = comm.ring_start
-        comm.ring_start = lambda ts: sent[comm.rank].append({t.dtype for t in ts}) or start(ts)
+        comm.ring_start = lambda ts, shift=1: sent[comm.rank].append({t.dtype for t in ts}) or start(ts, shift)
         return _sharded(kernel, comm, q, k, v, do, dl, learn, False, "zigzag", "ring")
 
     got = ThreadGroup(3).run(rank)[0]
@@ -265,6 +267,40 @@ def test_ring_in_bfloat16_rounds_once():
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"bf16 {name}: {m}")
+
+
+def test_ring_stops_after_the_last_step_anyone_needs():
+    """A one-sided window over four contiguous ranks: each rank needs its own shard and the one
+    before, so the ring runs two steps (one K/V move each way) and the dK/dV accumulators go
+    home in one move of three ranks back; results as single-process attncc's."""
+    from attncc.distributed.ring import ring_steps
+    from attncc.distributed.layout import make_layout
+    from attncc.distributed.attention import _empty_pairs
+    L = 64
+    variant, H, Hkv, learn = _case("window", L)
+    kernel = attncc.compile(variant)
+    lay = make_layout("contiguous", 4)
+    assert ring_steps(lay, _empty_pairs(kernel, 16, 16, 4)) == 2
+    assert ring_steps(make_layout("zigzag", 4), _empty_pairs(kernel, 8, 8, 8)) == 4  # chunk 7 - r needs 5 - r
+    q, k, v, do, dl = _inputs(H, Hkv, L)
+    want = _single(kernel, q, k, v, do, dl, learn, False)
+    shifts = [[] for _ in range(4)]
+
+    def rank(comm):
+        start = comm.ring_start
+        comm.ring_start = lambda ts, shift=1: shifts[comm.rank].append(shift) or start(ts, shift)
+        return _sharded(kernel, comm, q, k, v, do, dl, learn, False, "contiguous", "ring")
+
+    got = ThreadGroup(4).run(rank)[0]
+    assert shifts == [[1, 1, 1, 3]] * 4, shifts  # forward K/V; backward K/V, dK/dV on, dK/dV home
+    _compare(got, want, "window, contiguous ring of 4")
+
+    def auto(comm):  # rank 0 has the fewest pairs here: "auto" still picks alike on every rank
+        from attncc.distributed.attention import prepare
+        shards = [shard(t, comm, layout="contiguous") for t in (q, k, v)]
+        return prepare(kernel, *shards, group=comm, layout="contiguous", method="auto", enable_gqa=False,
+                       training=False, generator=None)[0][2]
+    assert len(set(ThreadGroup(4).run(auto))) == 1
 
 
 def test_shard_unshard_round_trip_and_balanced_layout():

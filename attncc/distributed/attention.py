@@ -140,8 +140,9 @@ def _setup(compiled, comm, lay, q, k, v, captures, rng, dropout_p) -> ring.Setup
     spec = Spec(_DTYPES[q.dtype], D, v.shape[-1], Hq // k.shape[1], target, rng is not None,
                 positive_scale=scale > 0, in_range=in_range, tier=tier, offsets=tier == "gluon")
     seeds = (*rng, dropout_p) if rng is not None else ()
-    return ring.Setup(compiled, spec, scale, seeds, variant.deterministic, lay, comm.rank, cq, ck, lq, lkv,
-                      _empty_pairs(compiled, cq, ck, lay.n_chunks))
+    empty = _empty_pairs(compiled, cq, ck, lay.n_chunks)
+    return ring.Setup(compiled, spec, scale, seeds, variant.deterministic, lay, comm.rank, cq, ck, lq, lkv, empty,
+                      ring.ring_steps(lay, empty))
 
 
 @lru_cache(maxsize=256)
@@ -184,8 +185,10 @@ def _empty_pairs_of(compiled_key, mask, cq, ck, n) -> frozenset:
 
 def choose_method(setup: ring.Setup, comm, q, k, v, method="auto") -> tuple:
     """(method, why). "auto" compares the time the ring leaves its transfers exposed (per step,
-    transfer minus the compute of that step's unmasked pairs) plus its extra kernel calls with
-    the all-gather's unhidden transfer of the same bytes (bytes moved against FLOPs)."""
+    transfer minus the compute of that step's unmasked pairs) plus its extra kernel calls, on its
+    slowest rank, with the all-gather's unhidden transfer of the whole K/V (bytes moved against
+    FLOPs). Every rank computes the same numbers (the layout and the derived empty pairs), so all
+    choose alike."""
     if method != "auto":
         return method, "asked for"
     W, lay = comm.world, setup.layout
@@ -197,13 +200,15 @@ def choose_method(setup: ring.Setup, comm, q, k, v, method="auto") -> tuple:
     shard_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
     pair_flops = 4 * B * Hq * setup.cq * setup.ck * (D + v.shape[-1]) / 2
     comm_s = shard_bytes / link
-    exposed, calls = 0.0, 0
-    for step in range(W - 1):  # the last step waits for nothing
-        src = (setup.rank - step) % W
-        pairs = sum((i, j) not in setup.empty for i in setup.mine for j in lay.chunks[src])
-        exposed += max(0.0, comm_s - pairs * pair_flops / flops)
-        calls += pairs
-    ring_s = exposed + calls * call
+    ring_s = 0.0
+    for r, mine in enumerate(lay.chunks):
+        exposed, calls = 0.0, -len(mine)  # the all-gather's calls: one per query chunk
+        for step in range(setup.steps):
+            pairs = sum((i, j) not in setup.empty for i in mine for j in lay.chunks[(r - step) % W])
+            if step < setup.steps - 1:  # the last step waits for nothing
+                exposed += max(0.0, comm_s - pairs * pair_flops / flops)
+            calls += pairs
+        ring_s = max(ring_s, exposed + max(calls, 0) * call)
     gather_s = (W - 1) * comm_s
     chosen = "ring" if ring_s < gather_s else "allgather"
     why = (f"ring: {ring_s * 1e3:.3g} ms of transfer not hidden by compute + extra calls, all-gather: "

@@ -66,14 +66,15 @@ class Comm:
         t = torch.tensor(values, dtype=torch.int64, device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
         return torch.stack(self.all_gather(t)).tolist()
 
-    def ring_start(self, tensors):
-        """Send ``tensors`` to rank + 1 and receive their like from rank - 1, asynchronously."""
-        if self.world == 1:
+    def ring_start(self, tensors, shift: int = 1):
+        """Send ``tensors`` to rank + shift and receive their like from rank - shift, asynchronously."""
+        if shift % self.world == 0:
             return _Done(list(tensors))
         dist = self.dist
         send = [t.contiguous() for t in tensors]
         recv = [torch.empty_like(t) for t in send]
-        nxt, prv = self._global((self.rank + 1) % self.world), self._global((self.rank - 1) % self.world)
+        nxt = self._global((self.rank + shift) % self.world)
+        prv = self._global((self.rank - shift) % self.world)
         ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, prv, self.group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops), recv, send)
@@ -155,9 +156,9 @@ class _ThreadComm:
     def gather_ints(self, values) -> list:
         return self._exchange(list(values))
 
-    def ring_start(self, tensors):
+    def ring_start(self, tensors, shift: int = 1):
         slots = self._exchange([t.clone() for t in tensors])
-        return _Done(slots[(self.rank - 1) % self.world])
+        return _Done(slots[(self.rank - shift) % self.world])
 
     def all_gather(self, t):
         return [x.clone() for x in self._exchange(t.clone())]

@@ -3,9 +3,10 @@ chunk) pairs at their global positions, and the two ways K/V reach every rank.
 
     ring        K/V shards travel around the ranks (rank r sends to r + 1) while the shard at
                 hand computes; each query chunk merges its partial (out, lse) exactly
-                (merge, attncc.merge_states's rule). Pairs the mask empties are skipped. The backward sends
-                each shard's dK/dV accumulators along with it, one step behind, and recomputes P from
-                the global lse.
+                (merge, attncc.merge_states's rule). Pairs the mask empties are skipped, and
+                the ring stops after the last step anyone needs (ring_steps). The backward
+                sends each shard's dK/dV accumulators along with it, one step behind, and
+                recomputes P from the global lse.
     allgather   K/V gathered once; each query chunk runs one call over all keys (the kernel's
                 tile bounds skip what the mask empties); dK/dV reduce-scattered to the ranks that
                 hold the keys at the end.
@@ -37,6 +38,7 @@ class Setup:
     lq: int            # whole query length
     lkv: int           # whole key length
     empty: frozenset   # (query chunk, key chunk) pairs the mask empties (ring skips them)
+    steps: int         # ring steps that bring some rank a shard it needs (ring_steps)
     tile_empty: frozenset | None = None  # this rank's pairs whose tile classes keep nothing (pair_is_empty)
 
     @property
@@ -46,6 +48,18 @@ class Setup:
     @property
     def mine(self) -> tuple:
         return self.layout.chunks[self.rank]
+
+
+def ring_steps(layout, empty) -> int:
+    """1 + the last ring step at which some rank gets a shard with a pair the mask keeps (by the
+    derived bounds, so every rank counts alike): the steps after it move nothing anyone needs. A
+    one-sided window over the contiguous layout needs two, whatever the ranks."""
+    world, last = len(layout.chunks), 0
+    for r, mine in enumerate(layout.chunks):
+        for step in range(1, world):
+            if any((i, j) not in empty for i in mine for j in layout.chunks[(r - step) % world]):
+                last = max(last, step)
+    return last + 1
 
 
 def _work(s: Setup, *tensors):
@@ -170,8 +184,8 @@ def ring_forward(s: Setup, comm, q, k, v, caps):
     qs = _qchunks(s, q)
     parts = [None] * len(qs)
     cur, src = [k, v], s.rank
-    for step in range(comm.world):
-        pending = comm.ring_start(cur) if step < comm.world - 1 else None  # the next shard, while this computes
+    for step in range(s.steps):
+        pending = comm.ring_start(cur) if step < s.steps - 1 else None  # the next shard, while this computes
         ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
         for a, (i, qc) in enumerate(zip(s.mine, qs)):
             for b, j in enumerate(s.layout.chunks[src]):
@@ -221,9 +235,9 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
     over its pairs). A step collects its pairs' dK/dV per key chunk (the first pair's buffers as
     they come); the shard's accumulators arrive from rank - 1 while it computes, take those, and
     leave for rank + 1 while the next step computes, so their transfer is hidden as the K/V
-    shards' is (added in place at the end of the step they would wait for it, exposed; W moves
-    bring them home; the last move, exposed, carries them rounded to k's dtype, as nothing is
-    added to them after it: half the bytes, the same result). Sending each chunk's as soon as
+    shards' is (added in place at the end of the step they would wait for it, exposed). After the
+    last step (Setup.steps) one move takes them home, exposed: rounded to k's dtype, as nothing
+    is added to them after it (half the bytes, the same result). Sending each chunk's as soon as
     its pairs were done measured no faster (H200 x4): a batched send waits for its receiver to
     reach the same point, which stalled the steps instead."""
     dtype = k.dtype
@@ -234,8 +248,8 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
     n = s.layout.per_rank
     dqs = [None] * len(qs)
     cur, src, moved = [k, v], s.rank, None
-    for step in range(comm.world):
-        pending = comm.ring_start(cur) if step < comm.world - 1 else None
+    for step in range(s.steps):
+        pending = comm.ring_start(cur) if step < s.steps - 1 else None
         ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
         part = [None] * (2 * n)  # this step's dK of each key chunk, then dV
         for a, i in enumerate(s.mine):
@@ -254,12 +268,13 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
         if moved is not None:  # the shard's accumulators from the ranks before, sent under this step
             acc = moved.wait()
             torch._foreach_add_(acc, part)
-        if step == comm.world - 1:  # complete: home in k's dtype
-            acc = [t.to(dtype) for t in acc]
-        moved = comm.ring_start(acc)  # on to rank + 1, under the next step's compute
+        if step < s.steps - 1:
+            moved = comm.ring_start(acc)  # on to rank + 1, under the next step's compute
+        else:  # complete: home (rank - step; rank + 1 after W steps) in k's dtype
+            moved = comm.ring_start([t.to(dtype) for t in acc], shift=comm.world - step)
         if pending is not None:
             cur, src = pending.wait(), (src - 1) % comm.world
-    acc = moved.wait()  # the W-th move: this rank's own shard, every rank's pairs in it
+    acc = moved.wait()  # this rank's own shard, every rank's pairs in it
     return _joined(dqs, q, s.cq), torch.cat(acc[:n], 2), torch.cat(acc[n:], 2), dcaps
 
 
