@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/cp_multi_gpu.sh tests   # NCCL correctness: every CPU-list variant, bf16 and fp16,
 #                                           # both layouts, ring and all-gather, forward and backward
-#   bash benchmarks/cp_multi_gpu.sh bench   # scaling on 1, 2, 4, 8 ranks (as many as there are GPUs)
+#   bash benchmarks/cp_multi_gpu.sh bench   # scaling on 1, 2, 4, 8 ranks (as many as there are GPUs),
+#                                           # and the sliding window over the contiguous layout at 128k
 #   bash benchmarks/cp_multi_gpu.sh bench 131072 524288   # only these whole lengths (to split the
 #                                           # grid over calls when one would run past its limit)
 #
@@ -39,6 +40,12 @@ bench)
                 2>&1 | grep -v "^W1\|OMP_NUM_THREADS" | tee -a "$out/cp-bench.log"
         done
     done
+    # a one-sided window over the contiguous layout: the ring stops after two steps (ring_steps)
+    if [ $# -le 1 ] || [[ " ${*:2} " == *" 131072 "* ]]; then
+        torchrun --nproc-per-node "$gpus" benchmarks/context_parallel.py --seq 131072 --layout contiguous \
+            --variants sliding_window --iters 5 --warmup 2 --no-torch-cp --json "$out/cp.json" \
+            2>&1 | grep -v "^W1\|OMP_NUM_THREADS" | tee -a "$out/cp-bench.log"
+    fi
     ;;
 *)
     echo "usage: bash benchmarks/cp_multi_gpu.sh tests|bench" >&2
