@@ -127,11 +127,11 @@ class CompiledAttention:
         """Context parallelism: query, key, value are this rank's shards of a sequence split over
         ``group``'s ranks (attncc.distributed.shard with the same ``layout``); returns this rank's
         rows of attention over the whole sequence, differentiable. method: "ring", "allgather" or
-        "auto" (a cost model, logged). Every rank of the group must call it. See attncc.distributed."""
+        "auto" (a cost model, logged). Every rank of the group must call it. See attncc.distributed.
+        Under torch.compile it runs eagerly (collectives and host-side schedules: a graph break)."""
         from .distributed.attention import context_parallel
-        return context_parallel(self, query, key, value, group=group, layout=layout, method=method,
-                                enable_gqa=enable_gqa, return_lse=return_lse, training=training,
-                                generator=generator)
+        return _outside_dynamo(context_parallel, self, query, key, value, group=group, layout=layout, method=method,
+                               enable_gqa=enable_gqa, return_lse=return_lse, training=training, generator=generator)
 
     def with_kvcache(self, query, cache, key=None, value=None, *, cu_seqlens_q=None, max_seqlen_q=None,
                      return_lse=False):
@@ -281,7 +281,10 @@ def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, e
 
 def _outside_dynamo(fn, *args, **kwargs):
     """fn(...) with torch.compile's frame evaluation off: after a graph break at attncc.attention,
-    dynamo would otherwise try to compile the mods that the tracer calls with its proxies."""
+    dynamo would otherwise try to compile the mods that the tracer calls with its proxies; met
+    while tracing (context_parallel), a graph break, fn running eagerly. torch._dynamo is not
+    imported here: it imports triton, which on a CPU-only machine must come after
+    TRITON_INTERPRET (runtime._triton)."""
     dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing is being compiled
     return fn(*args, **kwargs) if dynamo is None else dynamo.disable(fn)(*args, **kwargs)
 

@@ -303,6 +303,36 @@ def test_ring_stops_after_the_last_step_anyone_needs():
     assert len(set(ThreadGroup(4).run(auto))) == 1
 
 
+def test_context_parallel_inside_torch_compile():
+    """A compiled function that calls context_parallel (either form) runs it eagerly, a graph
+    break (Dynamo used to trace into the kernels with fake tensors and fail): the same out and
+    gradients as without torch.compile."""
+    from attncc import runtime
+    from attncc.distributed import context_parallel
+    runtime._triton(for_cpu=True)  # before torch.compile imports triton (without its interpreter)
+    L = 64
+    variant, H, Hkv, learn = _case("alibi", L)
+    kernel = attncc.compile(variant)
+    q, k, v, do, dl = _inputs(H, Hkv, L)
+
+    def rank(comm):
+        def loss(fn, a, b, c):
+            return (fn(a, b, c) * shard(do, comm)).sum()
+        results = []
+        for fn in (lambda a, b, c: kernel.context_parallel(a, b, c, group=comm),
+                   lambda a, b, c: context_parallel(a, b, c, variant.score_mod, variant.mask_mod, group=comm)):
+            for run in (loss, torch.compile(loss, backend="aot_eager")):
+                qs, ks, vs = (shard(t, comm).requires_grad_() for t in (q, k, v))
+                value = run(fn, qs, ks, vs)
+                results.append((value.detach(), *torch.autograd.grad(value, (qs, ks, vs))))
+        return results
+
+    for results in ThreadGroup(2).run(rank):
+        for got in results[1:]:
+            for a, b in zip(got, results[0]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_shard_unshard_round_trip_and_balanced_layout():
     x = torch.arange(2 * 96).view(1, 2, 96, 1).float()
     for layout in ("contiguous", "zigzag"):
@@ -357,7 +387,9 @@ def test_in_process_lq_ne_lkv_deterministic_and_no_grad():
 
 def test_auto_method_says_which_and_why(caplog):
     import logging
+    from attncc.distributed import attention
     from attncc.distributed.attention import choose_method
+    attention._chosen.clear()  # each decision is logged once per process
     kernel = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: q >= kv))
     q, k, v = (torch.randn(1, 2, 64, D) for _ in range(3))
     caplog.set_level(logging.INFO, logger="attncc")

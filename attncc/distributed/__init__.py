@@ -23,12 +23,15 @@ def context_parallel(query, key, value, score_mod=None, mask_mod=None, *, group=
     """Functional form: attncc.attention's arguments plus group, layout and method; query, key
     and value are this rank's shards. Traces the mods on each call: build the kernel once with
     attncc.compile and call kernel.context_parallel in a loop."""
-    from ..api import CompiledAttention
+    from ..api import CompiledAttention, _outside_dynamo
     from ..variant import Variant
-    kernel = CompiledAttention(Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p,
-                                       deterministic=deterministic))
-    return _context_parallel(kernel, query, key, value, group=group, layout=layout, method=method,
-                             enable_gqa=enable_gqa, return_lse=return_lse, generator=generator)
+
+    def run():
+        kernel = CompiledAttention(Variant(score_mod, mask_mod, scale=scale, dropout_p=dropout_p,
+                                           deterministic=deterministic))
+        return _context_parallel(kernel, query, key, value, group=group, layout=layout, method=method,
+                                 enable_gqa=enable_gqa, return_lse=return_lse, generator=generator)
+    return _outside_dynamo(run)
 
 
 __all__ = ["context_parallel", "shard", "unshard", "Layout", "balanced_layout", "make_layout", "ThreadGroup",

@@ -214,7 +214,7 @@ def choose_method(setup: ring.Setup, comm, q, k, v, method="auto") -> tuple:
     why = (f"ring: {ring_s * 1e3:.3g} ms of transfer not hidden by compute + extra calls, all-gather: "
            f"{gather_s * 1e3:.3g} ms of transfer up front ({shard_bytes / 2**20:.3g} MiB K/V per rank, "
            f"{W} ranks, {comm.backend})")
-    key = (chosen, W, setup.lq, setup.lkv, lay.chunks, comm.backend)
+    key = (setup.compiled.variant.ir_key, chosen, W, setup.lq, setup.lkv, lay.chunks, comm.backend)
     if key not in _chosen:
         _chosen.add(key)
         logger.info("context_parallel(%s): %s (%s)", setup.compiled.variant.name, chosen, why)
