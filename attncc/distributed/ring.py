@@ -17,6 +17,7 @@ length to the generated kernels, so mods, tile bounds and dropout see global pos
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -50,6 +51,7 @@ class Setup:
         return self.layout.chunks[self.rank]
 
 
+@lru_cache(maxsize=256)
 def ring_steps(layout, empty) -> int:
     """1 + the last ring step at which some rank gets a shard with a pair the mask keeps (by the
     derived bounds, so every rank counts alike): the steps after it move nothing anyone needs. A
@@ -88,11 +90,13 @@ def pair_is_empty(s: Setup, caps, q, i: int, j: int) -> bool:
 
 
 def _tile_empty(s: Setup, caps, q) -> frozenset:
-    """The pairs of this rank's query chunks that a mask reading captured tensors empties, from
-    their tile classes, read on the host once for all of them (the forward and the backward of
-    the call ask again and again); none for other masks."""
+    """The pairs this rank meets (its query chunks, the ring's steps) that a mask reading captured
+    tensors empties, from their tile classes, read on the host once for all of them (the forward
+    and the backward of the call ask again and again); none for other masks."""
     fwd = s.compiled.module("fwd", s.spec)
-    todo = [(i, j) for i in s.mine for j in range(s.layout.n_chunks) if (i, j) not in s.empty]
+    world = len(s.layout.chunks)
+    met = sorted({j for step in range(s.steps) for j in s.layout.chunks[(s.rank - step) % world]})
+    todo = [(i, j) for i in s.mine for j in met if (i, j) not in s.empty]
     if not fwd.BLOCK_SPARSE or not todo:
         return frozenset()
     kept = torch.stack([blocks.fine_classes(fwd, caps, q.shape[0], q.shape[1], s.cq, s.ck, fwd.CLASS_PER_HEAD,
@@ -261,13 +265,14 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
                 _add(dqs, a, g[0])
                 _add(part, b, g[1])
                 _add(part, n + b, g[2])
-        for c, like in enumerate(ks + vs):
-            if part[c] is None:
-                part[c] = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-        acc = part
-        if moved is not None:  # the shard's accumulators from the ranks before, sent under this step
+        if moved is None:  # the first step: this step's sums start the accumulators (zeros where none)
+            acc = [p if p is not None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                   for p, t in zip(part, ks + vs)]
+        else:  # the shard's accumulators from the ranks before, sent under this step: add what this step has
             acc = moved.wait()
-            torch._foreach_add_(acc, part)
+            added = [c for c, p in enumerate(part) if p is not None]
+            if added:
+                torch._foreach_add_([acc[c] for c in added], [part[c] for c in added])
         if step < s.steps - 1:
             moved = comm.ring_start(acc)  # on to rank + 1, under the next step's compute
         else:  # complete: home (rank - step; rank + 1 after W steps) in k's dtype
