@@ -109,9 +109,38 @@ def comm_overlap(trace_path):
     return comm / 1e3, (hidden / comm if comm else None)
 
 
+def gpu_time(trace_path, runs):
+    """Where rank 0's GPU time goes in a chrome trace of ``runs`` forward+backward calls: the span
+    from the first kernel's start to the last one's end, the time no kernel runs in it, and the
+    kernels' total time by name (the first 40 characters), per call, in ms."""
+    with open(trace_path) as fh:
+        events = [e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    events = [e for e in events if "allgather" not in e["name"].lower()]  # the call check's (see comm_overlap)
+    if not events:
+        return None
+    spans, end = [], float("-inf")
+    for e in sorted(events, key=lambda e: e["ts"]):
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if a > end:
+            spans.append([a, b])
+        else:
+            spans[-1][1] = max(spans[-1][1], b)
+        end = max(end, b)
+    total = spans[-1][1] - spans[0][0]
+    busy = sum(b - a for a, b in spans)
+    by_name = {}
+    for e in events:
+        name = e["name"][:40]
+        by_name[name] = by_name.get(name, 0.0) + e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return dict(span_ms=total / 1e3 / runs, idle_ms=(total - busy) / 1e3 / runs,
+                kernels={n: round(t / 1e3 / runs, 3) for n, t in top},
+                launches=len(events) / runs)
+
+
 def profile_ring(call, tensors, do, args, rank, world, device):
     """Two ring forward+backward steps under torch.profiler on each rank; rank 0 writes its chrome
-    trace to --profile and returns (NCCL ms per step, fraction hidden under compute)."""
+    trace to --profile and returns (NCCL ms per call, fraction hidden under compute, gpu_time)."""
     from torch.profiler import ProfilerActivity, profile
     run = fwd_bwd(call, tensors, do)
     run()
@@ -128,7 +157,7 @@ def profile_ring(call, tensors, do, args, rank, world, device):
     path = os.path.join(args.profile, f"cp-ring-W{world}-L{args.seq}.json")
     prof.export_chrome_trace(path)
     comm_ms, hidden = comm_overlap(path)
-    return comm_ms / 2, hidden
+    return comm_ms / 2, hidden, gpu_time(path, 2)
 
 
 def torch_cp_causal(q, k, v, do, args, device):
@@ -201,8 +230,8 @@ def main():
             fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device)
             rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single, err=err))
             if args.profile and GPU and method == "ring" and name == "causal" and world > 1:
-                rows[-1]["comm_ms"], rows[-1]["comm_hidden"] = profile_ring(call, (qs, ks, vs), dos, args, rank,
-                                                                            world, device) or (None, None)
+                rows[-1]["comm_ms"], rows[-1]["comm_hidden"], rows[-1]["gpu_time"] = profile_ring(
+                    call, (qs, ks, vs), dos, args, rank, world, device) or (None, None, None)
         if name == "causal" and not args.no_torch_cp:
             res = torch_cp_causal(q, k, v, do, args, device)
             rows.append(dict(variant=name, system="torch context_parallel (SDPA)",
@@ -230,6 +259,11 @@ def main():
         if r.get("comm_hidden") is not None:
             print(f"{r['variant']} {r['system']}: NCCL send/recv {r['comm_ms']:.2f} ms per forward+backward, "
                   f"{r['comm_hidden']:.0%} of it under compute kernels (trace in {args.profile})")
+            g = r.get("gpu_time")
+            if g:
+                print(f"  rank 0's GPU per forward+backward: span {g['span_ms']:.2f} ms, no kernel running "
+                      f"{g['idle_ms']:.2f} ms, {g['launches']:.0f} kernels; by name (ms): "
+                      + ", ".join(f"{n} {t}" for n, t in g["kernels"].items()))
     for name, (f, fb) in {r["variant"]: r["single"] for r in rows if r.get("single")}.items():
         print(f"{name:16s} {'one device, whole sequence':32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} "
               f"{tokens / fb:12,.0f}")

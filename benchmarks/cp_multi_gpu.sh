@@ -31,7 +31,7 @@ bench)
         read -r L H HKV ITERS <<<"$shape"
         [ $# -le 1 ] || [[ " ${*:2} " == *" $L "* ]] || continue
         single=$([ "$L" -le 131072 ] || echo --no-single)
-        prof=$([ "$L" = 131072 ] && [ "$HKV" = "$H" ] && echo --profile "$out")  # one trace per group size
+        prof=$([ "$L" -le 131072 ] && [ "$HKV" = "$H" ] && echo --profile "$out")  # a trace per length and group size
         for n in 1 2 4 8; do
             [ "$n" -le "$gpus" ] || continue
             [ "$L" -gt 131072 ] && [ "$n" -lt "$gpus" ] && continue  # 512k: only the largest group
