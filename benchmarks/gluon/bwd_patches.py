@@ -124,3 +124,74 @@ PATCHES["named-dq"] = [
 """ + _bar("arrive", (10,), "b", "    ") + _bar("arrive", (11,), "b", "    ") + """    for j in range(n_blocks * HEADS):
 """),
 ]
+
+# Each warp group computes its dQ part over its own keys only (dS_w K_w: all of the head dim), so
+# the warp groups never meet over dS^T and drift apart as the forward's ping-pong does; both add
+# both halves of the step's dQ (twice the reduce-adds). dS^T needs one buffer (no other reader),
+# dQ's shared memory doubles (a warp group's [64, 128] float32).
+_OWN_MEET = """    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
+    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+"""
+_OWN_DQ = """    fence_async_shared()
+    gl.thread_barrier()  # the warp group's dS^T rows are written
+    dq_tok = warpgroup_mma(ds_smem.slice(WG * BLOCK_N, BLOCK_N).permute((1, 0)), k_rows,
+                           gl.zeros([BLOCK_M, p.HEAD_DIM], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+"""
+_OWN_DQ_LATE = """    fence_async_shared()
+    gl.thread_barrier()  # the warp group's dS^T rows are written
+    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+    dq_tok = warpgroup_mma(ds_smem.slice(WG * BLOCK_N, BLOCK_N).permute((1, 0)), k_rows,
+                           gl.zeros([BLOCK_M, p.HEAD_DIM], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+"""
+_OWN_COMMON = [
+    ("    ds_smem = p.ds_smem.index(j % 2)\n", "    ds_smem = p.ds_smem.index(0)\n"),
+    ("    dq = gl.reshape(dq * p.sm_scale, [4, 2, 8, DQ_N // 8, 4, 2])",
+     "    dq = gl.reshape(dq * p.sm_scale, [4, 2, 8, p.HEAD_DIM // 8, 4, 2])"),
+    ("    dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [DQ_N // 4, 256])",
+     "    dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [p.HEAD_DIM // 4, 256])"),
+    ("instr_shape=[16, BLOCK_M * HEAD_DIM // 128, 16])", "instr_shape=[16, HEAD_DIM, 16])"),
+    ("        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))\n",
+     "        _tma_add(p.dq_desc, [block * (DQ_N // 4), 0], p.dq_smem.index(wg).slice(0, DQ_N // 4))\n"
+     "        _tma_add(p.dq_desc, [(block + 1) * (DQ_N // 4), 0], p.dq_smem.index(wg).slice(DQ_N // 4, DQ_N // 4))\n"),
+    ("gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout)",
+     "gl.allocate_shared_memory(dtype, [1, 2 * BLOCK_N, BLOCK_M], ds_layout)"),
+    ("gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 512, 256], dq_layout)",
+     "gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 256, 256], dq_layout)"),
+]
+PATCHES["own-dq"] = [(_OWN_MEET, _OWN_DQ)] + _OWN_COMMON  # ptxas serialises every wgmma (a wait after each)
+PATCHES["own-dq-late"] = [(_OWN_MEET, _OWN_DQ_LATE)] + _OWN_COMMON
+# head dim 64 (query tiles of 128, the warp groups split dQ's rows): its two row halves over the warp
+# group's keys, one product each, added into the two row blocks of the tile
+PATCHES["own-dq-late-64"] = [("""    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
+    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.slice(WG * 64, 64, dim=1).permute((1, 0)), p.k_smem,  # query rows 64 WG + [0, 64)
+                           gl.zeros([64, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+""", """    fence_async_shared()
+    gl.thread_barrier()  # the warp group's dS^T rows are written
+    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+    own = ds_smem.slice(WG * BLOCK_N, BLOCK_N)
+    dq0_tok = warpgroup_mma(own.slice(0, 64, dim=1).permute((1, 0)), k_rows,
+                            gl.zeros([64, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dq1_tok = warpgroup_mma(own.slice(64, 64, dim=1).permute((1, 0)), k_rows,
+                            gl.zeros([64, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq0_tok, ))
+    dq = gl.reshape(dq * p.sm_scale, [4, 2, 8, DQ_N // 8, 4, 2])
+    dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [DQ_N // 4, 256])
+    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer
+    p.dq_smem.index(WG).slice(0, DQ_N // 4).store(dq)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq1_tok, ))
+"""), ("""    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer
+    p.dq_smem.index(WG).store(dq)
+""", """    p.dq_smem.index(WG).slice(DQ_N // 4, DQ_N // 4).store(dq)
+""")] + [edit for edit in _OWN_COMMON if "HEAD_DIM // 8" not in edit[0] and "[DQ_N // 4, 256])" not in edit[0]
+         and "instr_shape" not in edit[0]]
