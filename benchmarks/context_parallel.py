@@ -87,9 +87,8 @@ def one_device(variant, q, k, v, do, gqa, args, rank, device):
 
 def comm_overlap(trace_path):
     """(ms of the ring's NCCL send/receive kernels, the fraction of it under a compute kernel) from a
-    chrome trace: how much of the ring's communication runs while the attention kernels compute.
-    The all-gather that compares the ranks' calls is left out: at the trace's start it waits for
-    every rank's profiler (0.6 s on one run)."""
+    chrome trace: how much of the ring's communication runs while the attention kernels compute
+    (only send/receive kernels count: the all-gather method's collectives are left out)."""
     with open(trace_path) as fh:
         events = json.load(fh)["traceEvents"]
     kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
@@ -115,7 +114,6 @@ def gpu_time(trace_path, runs):
     kernels' total time by name (the first 40 characters), per call, in ms."""
     with open(trace_path) as fh:
         events = [e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
-    events = [e for e in events if "allgather" not in e["name"].lower()]  # the call check's (see comm_overlap)
     if not events:
         return None
     spans, end = [], float("-inf")
@@ -138,9 +136,9 @@ def gpu_time(trace_path, runs):
                 launches=len(events) / runs)
 
 
-def profile_ring(call, tensors, do, args, rank, world, device):
-    """Two ring forward+backward steps under torch.profiler on each rank; rank 0 writes its chrome
-    trace to --profile and returns (NCCL ms per call, fraction hidden under compute, gpu_time)."""
+def profile_ring(call, tensors, do, args, rank, world, device, method):
+    """Two forward+backward calls under torch.profiler on each rank; rank 0 writes its chrome trace
+    to --profile and returns (the ring's NCCL ms per call, fraction hidden under compute, gpu_time)."""
     from torch.profiler import ProfilerActivity, profile
     run = fwd_bwd(call, tensors, do)
     run()
@@ -154,7 +152,7 @@ def profile_ring(call, tensors, do, args, rank, world, device):
     if rank != 0:
         return None
     os.makedirs(args.profile, exist_ok=True)
-    path = os.path.join(args.profile, f"cp-ring-W{world}-L{args.seq}.json")
+    path = os.path.join(args.profile, f"cp-{method}-W{world}-L{args.seq}.json")
     prof.export_chrome_trace(path)
     comm_ms, hidden = comm_overlap(path)
     return comm_ms / 2, hidden, gpu_time(path, 2)
@@ -229,9 +227,9 @@ def main():
             f = timed(lambda: call(qs.detach(), ks.detach(), vs.detach()), args.iters, args.warmup, device)
             fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device)
             rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single, err=err))
-            if args.profile and GPU and method == "ring" and name == "causal" and world > 1:
+            if args.profile and GPU and method != "auto" and name == "causal" and world > 1:
                 rows[-1]["comm_ms"], rows[-1]["comm_hidden"], rows[-1]["gpu_time"] = profile_ring(
-                    call, (qs, ks, vs), dos, args, rank, world, device) or (None, None, None)
+                    call, (qs, ks, vs), dos, args, rank, world, device, method) or (None, None, None)
         if name == "causal" and not args.no_torch_cp:
             res = torch_cp_causal(q, k, v, do, args, device)
             rows.append(dict(variant=name, system="torch context_parallel (SDPA)",
@@ -259,9 +257,10 @@ def main():
         if r.get("comm_hidden") is not None:
             print(f"{r['variant']} {r['system']}: NCCL send/recv {r['comm_ms']:.2f} ms per forward+backward, "
                   f"{r['comm_hidden']:.0%} of it under compute kernels (trace in {args.profile})")
+        if r.get("gpu_time"):
             g = r.get("gpu_time")
             if g:
-                print(f"  rank 0's GPU per forward+backward: span {g['span_ms']:.2f} ms, no kernel running "
+                print(f"{r['variant']} {r['system']}: rank 0's GPU per forward+backward: span {g['span_ms']:.2f} ms, no kernel running "
                       f"{g['idle_ms']:.2f} ms, {g['launches']:.0f} kernels; by name (ms): "
                       + ", ".join(f"{n} {t}" for n, t in g["kernels"].items()))
     for name, (f, fb) in {r["variant"]: r["single"] for r in rows if r.get("single")}.items():

@@ -9,6 +9,7 @@ a hang. Then ``method`` runs
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import math
@@ -25,12 +26,17 @@ from .comm import as_comm
 from .layout import make_layout
 
 METHODS = ("auto", "ring", "allgather")
-# the cost model's machine: link bandwidth (bytes/s) between ranks, attention throughput (FLOP/s)
-# and the fixed cost of one kernel call (s). NVLink-class GPUs; the interpreter and gloo are far
-# slower but in about the same proportion, except launches, which the interpreter makes costly.
-LINK_BYTES_S = {"nccl": 100e9, "gloo": 1e9, "threads": 1e12}
-FLOPS = {"gpu": 300e12, "interpreter": 2e8}
-CALL_S = {"gpu": 20e-6, "interpreter": 0.05}
+# the cost model's machine, fitted to runs on 4 H200s (NVLink, NCCL 2.28, multicast off; causal and
+# sliding-window masks, 32k-512k, 2 and 4 ranks, GQA: "auto" picks the method measured faster in 9 of
+# 10, the tenth within 5 %; docs/context-parallelism.md): bytes/s a rank moves by one ring send and
+# receive, and by a collective (all-gather, reduce-scatter: the bytes a rank receives), the kernels'
+# FLOP/s, and what a forward kernel call on one chunk pair costs beside its FLOPs (a backward call
+# twice as much: its launch path on the host, the waves it leaves part-empty). The interpreter and
+# gloo are far slower but in about the same proportion, except calls, which the interpreter makes costly.
+P2P_BYTES_S = {"nccl": 120e9, "gloo": 1e9, "threads": 1e12}
+GATHER_BYTES_S = {"nccl": 150e9, "gloo": 1e9, "threads": 1e12}
+FLOPS = {"gpu": 550e12, "interpreter": 2e8}
+PAIR_S = {"gpu": 300e-6, "interpreter": 0.05}
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _chosen: set = set()  # decisions logged once each
 
@@ -66,7 +72,7 @@ def prepare(compiled, query, key, value, *, group, layout, method, enable_gqa, t
         _disagreement(comm, local_error, sig, grad)  # every rank sees the same table: all of them come here
     rng = table[0][2:] if dropout else None  # rank 0's draw: one dropout mask for the whole sequence
     setup = _setup(compiled, comm, lay, query, key, value, captures, rng, variant.dropout_p if dropout else 0.0)
-    chosen, _ = choose_method(setup, comm, query, key, value, method)
+    chosen, _ = choose_method(setup, comm, query, key, value, method, grad)
     return (setup, comm, chosen), grad
 
 
@@ -141,14 +147,16 @@ def _setup(compiled, comm, lay, q, k, v, captures, rng, dropout_p) -> ring.Setup
                 positive_scale=scale > 0, in_range=in_range, tier=tier, offsets=tier == "gluon")
     seeds = (*rng, dropout_p) if rng is not None else ()
     empty = _empty_pairs(compiled, cq, ck, lay.n_chunks)
+    steps = ring.ring_steps(lay, empty)
+    late = ring.late_pairs(lay, comm.rank, empty, steps, _pair_work(compiled, cq, ck, lay.n_chunks))
     return ring.Setup(compiled, spec, scale, seeds, variant.deterministic, lay, comm.rank, cq, ck, lq, lkv, empty,
-                      ring.ring_steps(lay, empty))
+                      steps, late)
 
 
 @lru_cache(maxsize=256)
 def _bounds_fn(compiled_key, mask):
-    """(q_lo, q_hi) -> (first, last) key a query tile may reach, from the mask's derived bounds,
-    or None when they depend on b, h or tensors."""
+    """(q_lo, q_hi) -> (first, last) key a query tile may reach (floats, infinite where unbounded),
+    from the mask's derived bounds, or None when they depend on b, h or tensors."""
     import sympy as sp
 
     from ..passes import bounds as bounds_pass
@@ -157,7 +165,8 @@ def _bounds_fn(compiled_key, mask):
     reach = bounds_pass.derive(mask, symbolic.Q, symbolic.KV, lo, hi).reach
     if (reach.first.free_symbols | reach.last.free_symbols) - {lo, hi}:
         return None
-    return lambda a, b: (reach.first.subs({lo: a, hi: b}), reach.last.subs({lo: a, hi: b}))
+    first, last = (sp.lambdify((lo, hi), e, modules="math") for e in (reach.first, reach.last))
+    return lambda a, b: (float(first(a, b)), float(last(a, b)))
 
 
 def _empty_pairs(compiled, cq, ck, n) -> frozenset:
@@ -170,7 +179,7 @@ def _empty_pairs(compiled, cq, ck, n) -> frozenset:
 
 @lru_cache(maxsize=256)
 def _empty_pairs_of(compiled_key, mask, cq, ck, n) -> frozenset:
-    """_empty_pairs, once per variant and chunking (sympy's substitutions took ~2 ms a call at 8 chunks)."""
+    """_empty_pairs, once per variant and chunking."""
     reach = _bounds_fn(compiled_key, mask)
     if reach is None:
         return frozenset()
@@ -178,43 +187,87 @@ def _empty_pairs_of(compiled_key, mask, cq, ck, n) -> frozenset:
     for i in range(n):
         first, last = reach(i * cq, (i + 1) * cq - 1)
         for j in range(n):
-            if bool(last < j * ck) or bool(first > (j + 1) * ck - 1):
+            if last < j * ck or first > (j + 1) * ck - 1:
                 empty.add((i, j))
     return frozenset(empty)
 
 
-def choose_method(setup: ring.Setup, comm, q, k, v, method="auto") -> tuple:
-    """(method, why). "auto" compares the time the ring leaves its transfers exposed (per step,
-    transfer minus the compute of that step's unmasked pairs) plus its extra kernel calls, on its
-    slowest rank, with the all-gather's unhidden transfer of the whole K/V (bytes moved against
-    FLOPs). Every rank computes the same numbers (the layout and the derived empty pairs), so all
-    choose alike."""
+def _pair_work(compiled, cq, ck, n) -> dict:
+    """(i, j) -> the fraction of the pair's scores in blocks the mask may keep, by its derived
+    bounds on a grid of (up to) 64 x 64 blocks per pair: what the kernels' tile bounds leave to
+    compute there (1 for every pair where the bounds are not known)."""
+    if compiled.variant.analysis.facts.mask_trivial:
+        return {(i, j): 1.0 for i in range(n) for j in range(n)}
+    return _pair_work_of(compiled.variant.ir_key, compiled.variant.analysis.mask, cq, ck, n)
+
+
+@lru_cache(maxsize=256)
+def _pair_work_of(compiled_key, mask, cq, ck, n) -> dict:
+    reach = _bounds_fn(compiled_key, mask)
+    if reach is None:
+        return {(i, j): 1.0 for i in range(n) for j in range(n)}
+    sq, sk = min(64, cq), min(64, ck)
+    starts = [b * ck // sk for b in range(sk)]  # the key blocks of a chunk, relative to its first key
+    ends = [(b + 1) * ck // sk - 1 for b in range(sk)]
+    kept = dict.fromkeys(((i, j) for i in range(n) for j in range(n)), 0)
+    for i in range(n):
+        for a in range(sq):
+            first, last = reach(i * cq + a * cq // sq, i * cq + (a + 1) * cq // sq - 1)
+            for j in range(n):  # the blocks that start at or before `last` and end at or after `first`
+                kept[i, j] += max(0, bisect.bisect_right(starts, last - j * ck) - bisect.bisect_left(ends, first - j * ck))
+    return {pair: c / (sq * sk) for pair, c in kept.items()}
+
+
+def method_costs(setup: ring.Setup, world: int, backend: str, q_shape, kv_bytes: int, element_size: int,
+                 dv: int, grad: bool = True) -> tuple:
+    """(ring s, allgather s) the cost model gives a call on its slowest rank (every rank computes
+    the same figures: the layout, the derived pairs). Per ring step the larger of its pairs' compute
+    and the next shard's transfer (the backward moves the shard's float32 dK/dV with it, one step
+    behind, and after the last step sends them home exposed), plus each kernel call's cost; the
+    all-gather's transfers (K/V before the forward and again before the backward, dK/dV's float32
+    reduce-scatter after it) are all exposed, its calls one per query chunk."""
+    kind = "interpreter" if setup.interpret else "gpu"
+    p2p, gather = P2P_BYTES_S.get(backend, 10e9), GATHER_BYTES_S.get(backend, 10e9)
+    flops, pair_s = FLOPS[kind], PAIR_S[kind]
+    B, Hq, _, D = q_shape
+    lay = setup.layout
+    full_pair = 2 * B * Hq * setup.cq * setup.ck * (D + dv) / flops  # a forward pair whose every score is kept
+    work = _pair_work(setup.compiled, setup.cq, setup.ck, lay.n_chunks)
+    move, move32 = kv_bytes / p2p, kv_bytes * 4 / element_size / p2p  # a shard, its float32 gradients
+    ring_s = gather_s = 0.0
+    for r, mine in enumerate(lay.chunks):
+        t, total = 0.0, 0.0
+        for step in range(setup.steps):
+            kept = [(i, j) for i in mine for j in lay.chunks[(r - step) % world] if (i, j) not in setup.empty]
+            f = sum(work[pair] for pair in kept) * full_pair
+            last = step == setup.steps - 1
+            t += max(f, 0.0 if last else move) + len(kept) * pair_s
+            if grad:
+                t += max(2.5 * f, 0.0 if last else move + move32) + 2 * len(kept) * pair_s
+            total += f
+        g = (world - 1) * kv_bytes / gather + total + len(mine) * pair_s
+        if grad:
+            t += move
+            g += (world - 1) * kv_bytes * (1 + 4 / element_size) / gather + 2.5 * total + 2 * len(mine) * pair_s
+        ring_s, gather_s = max(ring_s, t), max(gather_s, g)
+    return ring_s, gather_s
+
+
+def choose_method(setup: ring.Setup, comm, q, k, v, method="auto", grad=True) -> tuple:
+    """(method, why). "auto" takes the cheaper of the two by method_costs (forward and, where
+    gradients are wanted, backward)."""
     if method != "auto":
         return method, "asked for"
     W, lay = comm.world, setup.layout
     if W == 1:
         return "allgather", "one rank: nothing to move"
-    kind = "interpreter" if setup.interpret else "gpu"
-    link, flops, call = LINK_BYTES_S.get(comm.backend, 10e9), FLOPS[kind], CALL_S[kind]
-    B, Hq, _, D = q.shape
-    shard_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
-    pair_flops = 4 * B * Hq * setup.cq * setup.ck * (D + v.shape[-1]) / 2
-    comm_s = shard_bytes / link
-    ring_s = 0.0
-    for r, mine in enumerate(lay.chunks):
-        exposed, calls = 0.0, -len(mine)  # the all-gather's calls: one per query chunk
-        for step in range(setup.steps):
-            pairs = sum((i, j) not in setup.empty for i in mine for j in lay.chunks[(r - step) % W])
-            if step < setup.steps - 1:  # the last step waits for nothing
-                exposed += max(0.0, comm_s - pairs * pair_flops / flops)
-            calls += pairs
-        ring_s = max(ring_s, exposed + max(calls, 0) * call)
-    gather_s = (W - 1) * comm_s
+    kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+    ring_s, gather_s = method_costs(setup, W, comm.backend, tuple(q.shape), kv_bytes, k.element_size(), v.shape[-1],
+                                    grad)
     chosen = "ring" if ring_s < gather_s else "allgather"
-    why = (f"ring: {ring_s * 1e3:.3g} ms of transfer not hidden by compute + extra calls, all-gather: "
-           f"{gather_s * 1e3:.3g} ms of transfer up front ({shard_bytes / 2**20:.3g} MiB K/V per rank, "
-           f"{W} ranks, {comm.backend})")
-    key = (setup.compiled.variant.ir_key, chosen, W, setup.lq, setup.lkv, lay.chunks, comm.backend)
+    why = (f"modelled {'forward+backward' if grad else 'forward'}: ring {ring_s * 1e3:.3g} ms, all-gather "
+           f"{gather_s * 1e3:.3g} ms ({kv_bytes / 2**20:.3g} MiB K/V per rank, {W} ranks, {comm.backend})")
+    key = (setup.compiled.variant.ir_key, chosen, W, setup.lq, setup.lkv, lay.chunks, comm.backend, grad)
     if key not in _chosen:
         _chosen.add(key)
         logger.info("context_parallel(%s): %s (%s)", setup.compiled.variant.name, chosen, why)

@@ -36,6 +36,9 @@ class _Pending:
         return self.received
 
 
+_HOST_GROUPS: dict = {}  # NCCL group (None: the default one) -> a gloo group of its ranks, or None
+
+
 class Comm:
     """torch.distributed over ``group`` (None: the default group)."""
 
@@ -60,11 +63,31 @@ class Comm:
         return out
 
     def gather_ints(self, values) -> list:
-        """Every rank's ``values`` (ints, as many on each rank): one small all-gather, on the host
-        where the group has a CPU backend."""
-        cuda = "nccl" in self.backend and "cpu:" not in self.backend
-        t = torch.tensor(values, dtype=torch.int64, device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
-        return torch.stack(self.all_gather(t)).tolist()
+        """Every rank's ``values`` (ints, as many on each rank): one small all-gather on the host,
+        over the group's CPU backend or, for a NCCL-only group, a gloo group of the same ranks
+        (made once, by these ranks only): through NCCL the host would wait for the all-gather and so
+        for every kernel queued before it, and the GPU for the host after it."""
+        group = self._host_group()
+        t = torch.tensor(values, dtype=torch.int64)
+        if group is None:  # no gloo here: through the device
+            t = t.to(f"cuda:{torch.cuda.current_device()}") if "nccl" in self.backend else t
+            return torch.stack(self.all_gather(t)).tolist()
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        self.dist.all_gather(out, t, group=group)
+        return torch.stack(out).tolist()
+
+    def _host_group(self):
+        """A process group of these ranks that runs collectives on CPU tensors, or None."""
+        if "nccl" not in self.backend or "cpu:" in self.backend:
+            return self.group
+        key = self.group if self.group is not None else "default"
+        if key not in _HOST_GROUPS:
+            try:
+                ranks = [self._global(r) for r in range(self.world)]
+                _HOST_GROUPS[key] = self.dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            except Exception:  # noqa: BLE001 - a build without gloo: the device all-gather instead
+                _HOST_GROUPS[key] = None
+        return _HOST_GROUPS[key]
 
     def ring_start(self, tensors, shift: int = 1):
         """Send ``tensors`` to rank + shift and receive their like from rank - shift, asynchronously."""

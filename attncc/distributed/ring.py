@@ -40,6 +40,7 @@ class Setup:
     lkv: int           # whole key length
     empty: frozenset   # (query chunk, key chunk) pairs the mask empties (ring skips them)
     steps: int         # ring steps that bring some rank a shard it needs (ring_steps)
+    late: frozenset = frozenset()  # local pairs the ring backward computes last (late_pairs)
     tile_empty: frozenset | None = None  # this rank's pairs whose tile classes keep nothing (pair_is_empty)
 
     @property
@@ -62,6 +63,26 @@ def ring_steps(layout, empty) -> int:
             if any((i, j) not in empty for i in mine for j in layout.chunks[(r - step) % world]):
                 last = max(last, step)
     return last + 1
+
+
+def late_pairs(layout, rank: int, empty, steps: int, work: dict) -> frozenset:
+    """The pairs of this rank's own query and key chunks that the ring backward leaves for last:
+    it computes them while the dK/dV accumulators of its shard travel home (float32, as these pairs
+    are added after the move), so that move runs under compute rather than exposed, as the first
+    K/V move runs under the other local pairs. About half the local work by ``work`` (the mask's
+    kept fraction per pair), the heaviest pair first into the lighter half, ties to the late one;
+    none where there is no final move (one step)."""
+    mine = layout.chunks[rank]
+    pairs = sorted(((i, j) for i in mine for j in mine if (i, j) not in empty), key=lambda p: (-work[p], p))
+    if steps < 2 or len(pairs) < 2:
+        return frozenset()
+    late, loads = [], [0.0, 0.0]  # early, late
+    for p in pairs:
+        side = 0 if loads[0] < loads[1] else 1
+        if side:
+            late.append(p)
+        loads[side] += work[p]
+    return frozenset(late)
 
 
 def _work(s: Setup, *tensors):
@@ -241,9 +262,10 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
     leave for rank + 1 while the next step computes, so their transfer is hidden as the K/V
     shards' is (added in place at the end of the step they would wait for it, exposed). After the
     last step (Setup.steps) one move takes them home, exposed: rounded to k's dtype, as nothing
-    is added to them after it (half the bytes, the same result). Sending each chunk's as soon as
-    its pairs were done measured no faster (H200 x4): a batched send waits for its receiver to
-    reach the same point, which stalled the steps instead."""
+    is added to them after it (half the bytes, the same result), or, where local pairs are left for
+    last (Setup.late, late_pairs), in float32 while those compute, added in when it lands. Sending
+    each chunk's as soon as its pairs were done measured no faster (H200 x4): a batched send waits
+    for its receiver to reach the same point, which stalled the steps instead."""
     dtype = k.dtype
     q, k, v, out, dout = _work(s, q, k, v, out, dout)
     qs, outs, douts = _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout)
@@ -258,7 +280,7 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
         part = [None] * (2 * n)  # this step's dK of each key chunk, then dV
         for a, i in enumerate(s.mine):
             for b, j in enumerate(s.layout.chunks[src]):
-                if pair_is_empty(s, caps, qs[a], i, j):
+                if pair_is_empty(s, caps, qs[a], i, j) or (step == 0 and (i, j) in s.late):
                     continue
                 g = backward_pair(s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a], douts[a], dlses[a], caps,
                                   dcaps, i, j * s.ck)
@@ -275,11 +297,26 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
                 torch._foreach_add_([acc[c] for c in added], [part[c] for c in added])
         if step < s.steps - 1:
             moved = comm.ring_start(acc)  # on to rank + 1, under the next step's compute
-        else:  # complete: home (rank - step; rank + 1 after W steps) in k's dtype
-            moved = comm.ring_start([t.to(dtype) for t in acc], shift=comm.world - step)
+        else:  # complete but for this rank's late pairs: home (rank - step; rank + 1 after W steps)
+            moved = comm.ring_start(acc if s.late else [t.to(dtype) for t in acc], shift=comm.world - step)
         if pending is not None:
             cur, src = pending.wait(), (src - 1) % comm.world
+    tail = [None] * (2 * n)  # the late local pairs' dK, dV, while the accumulators travel
+    ks, vs = _kvchunks(s, k), _kvchunks(s, v)
+    for a, i in enumerate(s.mine):
+        for b, j in enumerate(s.mine):
+            if (i, j) in s.late and not pair_is_empty(s, caps, qs[a], i, j):
+                g = backward_pair(s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a], douts[a], dlses[a], caps,
+                                  dcaps, i, j * s.ck)
+                _add(dqs, a, g[0])
+                _add(tail, b, g[1])
+                _add(tail, n + b, g[2])
     acc = moved.wait()  # this rank's own shard, every rank's pairs in it
+    added = [c for c, t in enumerate(tail) if t is not None]
+    if added:
+        torch._foreach_add_([acc[c] for c in added], [tail[c] for c in added])
+    if s.late:  # rounded once, after the last addition
+        acc = [t.to(dtype) for t in acc]
     return _joined(dqs, q, s.cq), torch.cat(acc[:n], 2), torch.cat(acc[n:], 2), dcaps
 
 
