@@ -472,3 +472,23 @@ def test_late_pairs_split_the_local_work():
         assert late and late < local, (r, late)
         assert abs(sum(work[p] for p in late) - sum(work[p] for p in local - late)) <= max(work[p] for p in local)
     assert late_pairs(lay, 0, empty, 1, work) == frozenset()  # one step: no move home to hide
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["sequence-major", "strided"])
+def test_allgather_rows_and_their_fallback(rows, monkeypatch):
+    """The all-gather method moves K/V and dK/dV as sequence-major rows (one collective each, the
+    chunks reordered by one copy); where a position times such a row would leave int32, as
+    (B, H, L, D) slices. Both agree with single-process attncc, GQA and Dv != D included."""
+    from attncc.distributed import ring
+    monkeypatch.setattr(ring, "_rows_fit", lambda length, row: rows)
+    L = 64
+    for name in ("causal", "gqa"):
+        variant, H, Hkv, learn = _case(name, L)
+        kernel = attncc.compile(variant)
+        q, k, v, do, dl = _inputs(H, Hkv, L)
+        v, do = (torch.cat([t, t[..., :8]], -1) for t in (v, do))  # Dv = D + 8
+        want = _single(kernel, q, k, v, do, dl, learn, H != Hkv)
+        for layout in ("zigzag", "contiguous"):
+            got = ThreadGroup(2).run(lambda comm: _sharded(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout,
+                                                           "allgather"))
+            _compare(got[0], want, f"{name} {layout} all-gather, rows {rows}")

@@ -303,7 +303,9 @@ def backward(how, q, k, v, out, lse, caps, dout, dlse, learnable):
     for i, g in zip(learnable, dcaps):
         comm.all_reduce(g)  # the capture's gradient from every rank's rows (int64 when deterministic)
         grads.append(runtime._float_grads([g])[0].to(caps[i].dtype))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
+    dense = torch.contiguous_format  # the all-gather's dK and dV are views of a sequence-major block
+    return (dq.to(q.dtype, memory_format=dense), dk.to(k.dtype, memory_format=dense),
+            dv.to(v.dtype, memory_format=dense), grads)
 
 
 class _ContextParallel(torch.autograd.Function):

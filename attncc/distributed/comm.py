@@ -107,6 +107,18 @@ class Comm:
         self.dist.all_gather(out, t.contiguous(), group=self.group)
         return out
 
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows (a contiguous 2-D ``t``) one after another, in rank order."""
+        out = t.new_empty(self.world * t.shape[0], *t.shape[1:])
+        self.dist.all_gather_into_tensor(out, t, group=self.group)
+        return out
+
+    def reduce_scatter_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank r's block of rows (the r-th of ``world``) summed over every rank's ``t``."""
+        out = t.new_empty(t.shape[0] // self.world, *t.shape[1:])
+        self.dist.reduce_scatter_tensor(out, t.contiguous(), group=self.group)
+        return out
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place."""
         self.dist.all_reduce(t, group=self.group)
@@ -185,6 +197,17 @@ class _ThreadComm:
 
     def all_gather(self, t):
         return [x.clone() for x in self._exchange(t.clone())]
+
+    def all_gather_rows(self, t):
+        return torch.cat(self._exchange(t.clone()))
+
+    def reduce_scatter_rows(self, t):
+        rows = t.shape[0] // self.world
+        parts = self._exchange(t.clone())
+        total = parts[0][self.rank * rows:(self.rank + 1) * rows].clone()
+        for p in parts[1:]:
+            total += p[self.rank * rows:(self.rank + 1) * rows]
+        return total
 
     def all_reduce(self, t):
         parts = self._exchange(t.clone())
