@@ -252,14 +252,16 @@ else:
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, dkv, dkv, *dkv.stride(), *dkv.stride(), *caps,
             H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets]
+    adds = dict(ADD_DKV=True) if offsets else {}  # chunk kernels: the path that adds to earlier pairs' sums
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                              GROUP=group, HEADS=heads,
-                                                             FOLD_LSE=kind != "bwd-nofold", num_warps=4, maxnreg=168))
+                                                             FOLD_LSE=kind != "bwd-nofold", num_warps=4, maxnreg=168,
+                                                             **adds))
     compile_for_sm90(module.attn_bwd_preprocess, [out, out, rows, rows, rows, rows, torch.zeros(B, H, Lq, d),
                                                   *out.stride(), *out.stride(), H, Lq],
                      dict(HEAD_DIM=d, BLOCK_M=64, HAS_DLSE=True, num_warps=4))
     compile_for_sm90(module.attn_bwd_dq, [torch.zeros(B * H * triton.cdiv(Lq, block_m) * block_m * d), q, *q.stride(), H, Lq],
-                     dict(BLOCK_M=block_m, HEAD_DIM=d, num_warps=4))
+                     dict(BLOCK_M=block_m, HEAD_DIM=d, num_warps=4, **(dict(ADD=True) if offsets else {})))
 assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
 adds = [line for line in compiled.asm["ptx"].splitlines() if "red.global" in line or "atom.global" in line]
 print("atomics", sum(".add.f32" in line for line in adds), "vector", sum(".add.v" in line for line in adds),

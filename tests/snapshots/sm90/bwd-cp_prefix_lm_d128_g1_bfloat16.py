@@ -140,7 +140,7 @@ DQ_ORDER = (2, 5, 3, 0, 1, 4, 6)  # (attn_bwd_dq writes it out: Gluon 3.6 takes 
 
 @gluon.jit
 def attn_bwd_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, H, N_CTX_Q,
-                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, ADD: gl.constexpr):
     """dq of one query tile from its block of the float32 buffer (DQ_ORDER), read in order and
     permuted in registers (through shared memory), so that both the read and dq's rows are whole
     lines (torch's copy of the permuted view took 0.135 ms for dq of 1x16x16384x128 on an H100,
@@ -158,6 +158,8 @@ def attn_bwd_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, H, N
     b = off_bh // H
     h = off_bh % H
     ptrs = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + rows * stride_dqm + cols * stride_dqd
+    if ADD:  # dq holds earlier chunk pairs' sums (context parallelism): added to
+        dq += gl.load(ptrs, mask=(rows < N_CTX_Q) & (cols < HEAD_DIM), other=0.0).to(gl.float32)
     gl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=(rows < N_CTX_Q) & (cols < HEAD_DIM))
 
 
@@ -395,7 +397,7 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, k_rows, v_
 
 @gluon.jit
 def consumer(p: Pipeline, WG: gl.constexpr, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-             stride_dvb, stride_dvh, stride_dvn, stride_dvd):
+             stride_dvb, stride_dvh, stride_dvn, stride_dvd, ADD_DKV: gl.constexpr):
     """Consumer warp group WG: K/V rows [WG * BLOCK_N, (WG + 1) * BLOCK_N) of the program's tile."""
     BLOCK_M: gl.constexpr = p.BLOCK_M
     BLOCK_N: gl.constexpr = p.BLOCK_N
@@ -429,7 +431,10 @@ def consumer(p: Pipeline, WG: gl.constexpr, DK, DV, stride_dkb, stride_dkh, stri
     h_kv = (h0 // p.GROUP).to(gl.int64)
     dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows * stride_dkn + cols * stride_dkd
     dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows * stride_dvn + cols * stride_dvd
-    if HEADS == p.GROUP:  # every query head of the K/V head ran here
+    if ADD_DKV:  # DK, DV hold earlier chunk pairs' float32 sums (context parallelism): added to
+        gl.store(dk_ptrs, gl.load(dk_ptrs, mask=ok, other=0.0) + dk * p.sm_scale, mask=ok)
+        gl.store(dv_ptrs, gl.load(dv_ptrs, mask=ok, other=0.0) + dv, mask=ok)
+    elif HEADS == p.GROUP:  # every query head of the K/V head ran here
         gl.store(dk_ptrs, (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok)
         gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok)
     else:  # one of them: added into float32 buffers (zeroed by the launcher), which it then rounds
@@ -507,7 +512,7 @@ def attn_bwd(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, PAIRS, N_CTX_Q, N_CTX_KV, sm_scale, lse_to_acc, CHUNK, Q_OFF, KV_OFF,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-    HEADS: gl.constexpr, FOLD_LSE: gl.constexpr,
+    HEADS: gl.constexpr, FOLD_LSE: gl.constexpr, ADD_DKV: gl.constexpr,
 ):
     """dK, dV of one K/V tile of one (batch, K/V head) over every query tile of HEADS of its query
     heads (all GROUP, or one whose dK, dV are added into float32 DK, DV), and those steps' dQ added
@@ -546,8 +551,8 @@ def attn_bwd(
                  H, PAIRS, N_CTX_Q, N_CTX_KV, Q_OFF, KV_OFF, sm_scale, lse_to_acc, CHUNK, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP,
                  HEADS, FOLD_LSE)
     gl.warp_specialize([
-        (consumer, (p, 0, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)),  # the default partition: 4 warps
-        (consumer, (p, 1, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)),
+        (consumer, (p, 0, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, ADD_DKV)),  # the default partition: 4 warps
+        (consumer, (p, 1, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, ADD_DKV)),
         (producer, (p, )),
     ], [4, 1], [240, 24])
 
@@ -577,10 +582,11 @@ def _tma_ready(t):
 
 
 def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_scale, seed=0, offset=0,
-           dropout_p=0.0, blocks=None, *, q_off=0, kv_off=0, n_kv_all=0):
+           dropout_p=0.0, blocks=None, *, q_off=0, kv_off=0, n_kv_all=0, add_dq=False, add_dkv=False):
     """Gradients of attention: fills dq (B, H, Lq, D), dk and dv (B, H // GROUP, Lkv, D). q_off, kv_off:
     the positions of q's first query and k's first key (n_kv_all, the whole key length, only
-    dropout reads: the Gluon tier has none)."""
+    dropout reads: the Gluon tier has none). add_dq, add_dkv: dq, or dk and dv, are float32 sums
+    of earlier chunk pairs, which this call's gradients are added to (no tensor of their own)."""
     B, H, N_CTX_Q = q.shape[:3]
     N_CTX_KV = k.shape[2]
     q, k, v, dout = _tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(dout)
@@ -592,7 +598,7 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
         HEAD_DIM=128, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
     heads = 1 if N_CTX_KV >= SPLIT_HEADS_FROM else 1  # query heads per program
     dk_out, dv_out = dk, dv
-    if heads < 1:  # each query head's programs add their dK, dV: float32 sums, rounded after
+    if heads < 1 and not add_dkv:  # each query head's programs add their dK, dV: float32 sums, rounded after
         dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (dk, dv))
     # P^T's exponent is sm_scale * log2(e) * S^T (+ a bias): S^T can start from -lse2 / (sm_scale * log2(e)),
     # unless that is too large for a float32 (a scale of 0 or next to it)
@@ -605,11 +611,11 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
         H, B * H // heads, N_CTX_Q, N_CTX_KV, sm_scale, -1.0 / (sm_scale * 1.4426950408889634) if fold_lse else 0.0, chunk,
         q_off, kv_off,
         BLOCK_M=64, BLOCK_N=64, HEAD_DIM=128, STAGES=2,
-        GROUP=1, HEADS=heads, FOLD_LSE=fold_lse, num_warps=4,
+        GROUP=1, HEADS=heads, FOLD_LSE=fold_lse, ADD_DKV=add_dkv and heads == 1, num_warps=4,
         maxnreg=168,  # registers at entry for 12 warps: the workers take 240 and 24, the default partition the rest
     )
     attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=64, HEAD_DIM=128,
-                              num_warps=4)
+                              ADD=add_dq, num_warps=4)
     if dk is not dk_out:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
