@@ -47,9 +47,13 @@ def variants(L, device):
     }
 
 
-def timed(fn, iters, warmup, device):
-    """Median seconds of fn() between barriers."""
-    out = []
+OWN = []  # (what, this rank's median seconds until its own device finished, before the closing barrier)
+
+
+def timed(fn, iters, warmup, device, what=None):
+    """Median seconds of fn() between barriers; with ``what``, this rank's own median (until its
+    device finished) goes to OWN, to show how far the ranks are apart."""
+    out, own = [], []
     for i in range(warmup + iters):
         if GPU:
             torch.cuda.synchronize(device)
@@ -58,9 +62,13 @@ def timed(fn, iters, warmup, device):
         fn()
         if GPU:
             torch.cuda.synchronize(device)
+        mine = time.perf_counter() - start
         dist.barrier()
         if i >= warmup:
             out.append(time.perf_counter() - start)
+            own.append(mine)
+    if what:
+        OWN.append((what, statistics.median(own)))
     return statistics.median(out)
 
 
@@ -225,7 +233,7 @@ def main():
             call = lambda a, b, c: kernel.context_parallel(a, b, c, layout=args.layout, method=method,  # noqa: E731
                                                            enable_gqa=H != Hkv)
             f = timed(lambda: call(qs.detach(), ks.detach(), vs.detach()), args.iters, args.warmup, device)
-            fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device)
+            fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device, f"{name} attncc {method}")
             rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single, err=err))
             if args.profile and GPU and method != "auto" and name == "causal" and world > 1:
                 rows[-1]["comm_ms"], rows[-1]["comm_hidden"], rows[-1]["gpu_time"] = profile_ring(
@@ -236,6 +244,13 @@ def main():
                              fwd_s=res[0] if isinstance(res, tuple) else None,
                              fwd_bwd_s=res[1] if isinstance(res, tuple) else None, single=single,
                              note=None if isinstance(res, tuple) else res))
+    owns = [None] * world
+    dist.all_gather_object(owns, OWN)
+    for r in rows:  # each rank's own forward+backward (until its device finished), ms
+        what = f"{r['variant']} {r['system']}"
+        per_rank = [dict(o).get(what) for o in owns]
+        if all(x is not None for x in per_rank):
+            r["rank_fwd_bwd_s"] = per_rank
     if rank != 0:
         dist.destroy_process_group()
         return
@@ -257,6 +272,9 @@ def main():
         if r.get("comm_hidden") is not None:
             print(f"{r['variant']} {r['system']}: NCCL send/recv {r['comm_ms']:.2f} ms per forward+backward, "
                   f"{r['comm_hidden']:.0%} of it under compute kernels (trace in {args.profile})")
+        if r.get("rank_fwd_bwd_s"):
+            print(f"{r['variant']} {r['system']}: forward+backward per rank until its device finished (ms): "
+                  + ", ".join(f"{x * 1e3:.2f}" for x in r["rank_fwd_bwd_s"]))
         if r.get("gpu_time"):
             g = r.get("gpu_time")
             if g:
