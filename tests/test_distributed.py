@@ -492,3 +492,22 @@ def test_allgather_rows_and_their_fallback(rows, monkeypatch):
             got = ThreadGroup(2).run(lambda comm: _sharded(kernel, comm, q, k, v, do, dl, learn, H != Hkv, layout,
                                                            "allgather"))
             _compare(got[0], want, f"{name} {layout} all-gather, rows {rows}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_ring_merge_of_a_chunks_partials(dtype):
+    """ring.merge (one pass of attncc's merge kernel over a query chunk's partials) against a
+    float64 merge: rows without keys in some partials, in all of them (out 0, lse -inf)."""
+    from attncc.distributed import ring
+    g = torch.Generator().manual_seed(3)
+    outs = torch.randn(3, 1, 2, 40, 16, generator=g).to(dtype)
+    lses = torch.randn(3, 1, 2, 40, generator=g) * 3
+    lses[1, :, :, :5] = float("-inf")
+    lses[:, :, :, 7] = float("-inf")
+    out, lse = ring.merge(outs, lses, torch.bfloat16)
+    want_lse = torch.logsumexp(lses.double(), 0)
+    want = (torch.exp(lses.double() - want_lse).nan_to_num(0.0)[..., None] * outs.double()).sum(0)
+    assert torch.isfinite(out).all() and (out[:, :, 7] == 0).all() and (lse[:, :, 7] == float("-inf")).all()
+    keep = torch.arange(40) != 7
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[..., keep].double(), want_lse[..., keep], rtol=1e-5, atol=1e-5)
