@@ -2,14 +2,14 @@
 chunk) pairs at their global positions, and the two ways K/V reach every rank.
 
     ring        K/V shards travel around the ranks (rank r sends to r + 1) while the shard at
-                hand computes; each query chunk merges its partial (out, lse) exactly
-                (merge, attncc.merge_states's rule). Pairs the mask empties are skipped, and
-                the ring stops after the last step anyone needs (ring_steps). The backward
-                sends each shard's dK/dV accumulators along with it, one step behind, and
-                recomputes P from the global lse.
-    allgather   K/V gathered once; each query chunk runs one call over all keys (the kernel's
-                tile bounds skip what the mask empties); dK/dV reduce-scattered to the ranks that
-                hold the keys at the end.
+                hand computes; each query chunk's partials (out, lse) are merged exactly in one
+                pass at the end (merge). Pairs the mask empties are skipped, and the ring stops
+                after the last step anyone needs (ring_steps). The backward sends each shard's
+                dK/dV accumulators along with it, one step behind, recomputes P from the global
+                lse, and leaves some local pairs for last (late_pairs) to cover the final move.
+    allgather   K/V gathered as sequence-major rows; each query chunk runs one call over all keys
+                (the kernel's tile bounds skip what the mask empties); dK/dV reduce-scattered to
+                the ranks that hold the keys at the end.
 
 Every call passes the chunk's first query and key positions (q_off, kv_off) and the whole key
 length to the generated kernels, so mods, tile bounds and dropout see global positions.
