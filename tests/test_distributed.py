@@ -218,7 +218,8 @@ def _bad_inputs_and_host_check(comm):
     fake = comm_module.Comm()
     fake.backend = "nccl"
     assert fake.gather_ints([r, 7]) == [[0, 7], [1, 7]] and fake.gather_ints([5 * r]) == [[0], [5]]
-    assert comm_module._HOST_GROUPS["default"] is not None
+    import torch.distributed as dist
+    assert comm_module._HOST_GROUPS[dist.group.WORLD] is not None
 
 
 def test_bad_inputs_raise_on_every_rank():

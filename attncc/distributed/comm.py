@@ -36,7 +36,7 @@ class _Pending:
         return self.received
 
 
-_HOST_GROUPS: dict = {}  # NCCL group (None: the default one) -> a gloo group of its ranks, or None
+_HOST_GROUPS: dict = {}  # NCCL process group -> a gloo group of its ranks, or None
 
 
 class Comm:
@@ -80,7 +80,7 @@ class Comm:
         """A process group of these ranks that runs collectives on CPU tensors, or None."""
         if "nccl" not in self.backend or "cpu:" in self.backend:
             return self.group
-        key = self.group if self.group is not None else "default"
+        key = self.group if self.group is not None else self.dist.group.WORLD  # a new one after re-initialising
         if key not in _HOST_GROUPS:
             try:
                 ranks = [self._global(r) for r in range(self.world)]
