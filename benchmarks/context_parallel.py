@@ -13,8 +13,9 @@ it does not fit). tokens/s = batch * whole sequence length / time; scaling = one
 the group's; efficiency = scaling / ranks; rel. err: ||out - one device's out|| / ||one device's||
 of the forward (auto method), a check that the run computes the right thing.
 --json appends this run to a list in the file, so runs of 1, 2, 4 and 8 ranks gather in one.
---profile DIR (GPUs, two ranks or more) traces the causal ring's forward and backward and says how
-much of the ring's NCCL send/receive time runs under attention kernels.
+--profile DIR (GPUs, two ranks or more) traces the causal ring's and all-gather's forward and
+backward: how much of the ring's NCCL send/receive time runs under attention kernels, and where
+rank 0's GPU time goes (kernels by name, time with none running).
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def gpu_time(trace_path, runs):
                 launches=len(events) / runs)
 
 
-def profile_ring(call, tensors, do, args, rank, world, device, method):
+def profile_calls(call, tensors, do, args, rank, world, device, method):
     """Two forward+backward calls under torch.profiler on each rank; rank 0 writes its chrome trace
     to --profile and returns (the ring's NCCL ms per call, fraction hidden under compute, gpu_time)."""
     from torch.profiler import ProfilerActivity, profile
@@ -236,7 +237,7 @@ def main():
             fb = timed(fwd_bwd(call, (qs, ks, vs), dos), args.iters, args.warmup, device, f"{name} attncc {method}")
             rows.append(dict(variant=name, system=f"attncc {method}", fwd_s=f, fwd_bwd_s=fb, single=single, err=err))
             if args.profile and GPU and method != "auto" and name == "causal" and world > 1:
-                rows[-1]["comm_ms"], rows[-1]["comm_hidden"], rows[-1]["gpu_time"] = profile_ring(
+                rows[-1]["comm_ms"], rows[-1]["comm_hidden"], rows[-1]["gpu_time"] = profile_calls(
                     call, (qs, ks, vs), dos, args, rank, world, device, method) or (None, None, None)
         if name == "causal" and not args.no_torch_cp:
             res = torch_cp_causal(q, k, v, do, args, device)
@@ -275,12 +276,11 @@ def main():
         if r.get("rank_fwd_bwd_s"):
             print(f"{r['variant']} {r['system']}: forward+backward per rank until its device finished (ms): "
                   + ", ".join(f"{x * 1e3:.2f}" for x in r["rank_fwd_bwd_s"]))
-        if r.get("gpu_time"):
-            g = r.get("gpu_time")
-            if g:
-                print(f"{r['variant']} {r['system']}: rank 0's GPU per forward+backward: span {g['span_ms']:.2f} ms, no kernel running "
-                      f"{g['idle_ms']:.2f} ms, {g['launches']:.0f} kernels; by name (ms): "
-                      + ", ".join(f"{n} {t}" for n, t in g["kernels"].items()))
+        g = r.get("gpu_time")
+        if g:
+            print(f"{r['variant']} {r['system']}: rank 0's GPU per forward+backward: span {g['span_ms']:.2f} ms, "
+                  f"no kernel running {g['idle_ms']:.2f} ms, {g['launches']:.0f} kernels; by name (ms): "
+                  + ", ".join(f"{n} {t}" for n, t in g["kernels"].items()))
     for name, (f, fb) in {r["variant"]: r["single"] for r in rows if r.get("single")}.items():
         print(f"{name:16s} {'one device, whole sequence':32s} {f * 1e3:9.2f} {tokens / f:12,.0f} {fb * 1e3:9.2f} "
               f"{tokens / fb:12,.0f}")
