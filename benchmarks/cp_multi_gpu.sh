@@ -9,9 +9,10 @@
 #                                           # grid over calls when one would run past its limit)
 #
 # Results go to $OUT (the device machine's return folder) or ./cp-out: cp.json holds one entry per
-# (ranks, shape) run, for benchmarks/results/<gpu>-cp.json; cp-ring-W*-L131072.json, chrome traces
-# of the causal ring (how much of NCCL's time runs under the attention kernels). NCCL's settings stay as the machine has
-# them (NVLink multicast off: NCCL_NVLS_ENABLE=0).
+# (ranks, shape) run, for benchmarks/results/<gpu>-cp.json; cp-{ring,allgather}-W*-L{32768,131072}.json,
+# chrome traces of the causal forward+backward (how much of NCCL's time runs under the attention
+# kernels, where rank 0's GPU time goes). NCCL's settings stay as the machine has them (NVLink
+# multicast off: NCCL_NVLS_ENABLE=0).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-cp-out}"
