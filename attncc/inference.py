@@ -353,14 +353,21 @@ def merge_states(o_a, lse_a, o_b=None, lse_b=None):
     dv = shape[-1]
     part_o = torch.stack([o.reshape(-1, dv) for o in outs]).float()
     part_lse = torch.stack([s.reshape(-1) for s in lses]).float().contiguous()
-    target = runtime.target_for(dev)
-    dtype = outs[0].dtype
-    # the interpreter would store bf16 as raw bits: merge in float32 there and convert after
-    out = torch.empty(part_o.shape[1], dv, dtype=torch.float32 if target == "interpreter" else dtype, device=dev)
-    lse = torch.empty(part_o.shape[1], dtype=torch.float32, device=dev)
+    out, lse = merge_stacked(part_o, part_lse, outs[0].dtype)
+    return out.to(outs[0].dtype).view(shape), lse.view(shape[:-1])
+
+
+def merge_stacked(part_o, part_lse, dtype):
+    """(out (R, Dv), lse (R,)) of S partials stacked as part_o (S, R, Dv) and part_lse (S, R),
+    contiguous, in one pass of the merge kernel; out in ``dtype`` (float32 in the interpreter,
+    which would store bf16 as raw bits: convert after)."""
+    target = runtime.target_for(part_o.device)
+    out = torch.empty(part_o.shape[1:], dtype=torch.float32 if target == "interpreter" else dtype,
+                      device=part_o.device)
+    lse = torch.empty(part_o.shape[1], dtype=torch.float32, device=part_o.device)
     if out.numel():
         from .api import CompiledAttention
         from .variant import Variant
         module = CompiledAttention(Variant()).module("kv", Spec("float32", 16, 16, 1, target))
         module.merge(part_o, part_lse, out, lse)
-    return out.to(dtype).view(shape), lse.view(shape[:-1])
+    return out, lse

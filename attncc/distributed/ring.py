@@ -22,6 +22,7 @@ from functools import lru_cache
 import torch
 
 from .. import autograd, blocks, runtime
+from ..inference import merge_stacked
 
 
 @dataclass
@@ -178,21 +179,13 @@ def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps
 
 def merge(outs, lses, dtype):
     """(out, lse) of the keys of a query chunk's partials (outs (S, B, H, L, Dv), lses (S, B, H, L),
-    natural log, -inf for rows without keys) in one pass: attncc's merge kernel (the one decoding's
-    splits use), out in ``dtype`` (float32 in the interpreter, which stores bf16 as raw bits).
-    Merged pair by pair in torch before (a float32 copy of each partial and a lerp: six passes
-    over a chunk's rows a pair; 2.7 ms of a 128k forward+backward on 4 H200s)."""
+    natural log, -inf for rows without keys) in one pass of attncc's merge kernel (merge_states's,
+    decoding's), out in ``dtype`` (float32 in the interpreter). Merged pair by pair in torch
+    before (a float32 copy of each partial and a lerp: six passes over a chunk's rows a pair;
+    2.7 ms of a 128k forward+backward on 4 H200s)."""
     S, B, H, L, dv = outs.shape
-    target = runtime.target_for(outs.device)
-    out = torch.empty(B, H, L, dv, dtype=torch.float32 if target == "interpreter" else dtype, device=outs.device)
-    lse = torch.empty(B, H, L, dtype=torch.float32, device=outs.device)
-    if out.numel():
-        from ..api import CompiledAttention
-        from ..spec import Spec
-        from ..variant import Variant
-        module = CompiledAttention(Variant()).module("kv", Spec("float32", 16, 16, 1, target))
-        module.merge(outs.view(S, -1, dv), lses.view(S, -1), out.view(-1, dv), lse.view(-1))
-    return out, lse
+    out, lse = merge_stacked(outs.view(S, -1, dv), lses.view(S, -1), dtype)
+    return out.view(B, H, L, dv), lse.view(B, H, L)
 
 
 def _joined(parts: list, like, n: int):
