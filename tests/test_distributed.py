@@ -219,7 +219,7 @@ def _bad_inputs_and_host_check(comm):
     fake.backend = "nccl"
     assert fake.gather_ints([r, 7]) == [[0, 7], [1, 7]] and fake.gather_ints([5 * r]) == [[0], [5]]
     import torch.distributed as dist
-    assert comm_module._HOST_GROUPS[dist.group.WORLD] is not None
+    assert comm_module._SIDE_GROUPS[dist.group.WORLD, "gloo"] is not None
 
 
 def test_bad_inputs_raise_on_every_rank():
@@ -292,6 +292,43 @@ def test_ring_in_bfloat16_rounds_once(late, monkeypatch):
         if name in ("dk", "dv"):
             differ = (a != b).float().mean().item()
             assert differ < 0.02, f"{name}: {differ:.1%} of the elements differ from single-process attncc's rounding"
+
+
+def test_call_check_completes_under_the_first_local_kernel(monkeypatch):
+    """The ring forward launches its first local pair, then waits for the call check's verdict,
+    then sends: the host all-gather of the check runs while the GPU computes; a disagreement
+    still raises on every rank before anything is sent."""
+    from attncc.distributed import ring
+    variant, H, Hkv, _ = _case("causal", 32)
+    kernel = attncc.compile(variant)
+    q, k, v, _, _ = _inputs(H, Hkv, 32)
+    events = [[] for _ in range(2)]
+    pair, verified = ring.forward_pair, ring.Setup.verified
+    monkeypatch.setattr(ring, "forward_pair", lambda s, *a, **kw: events[s.rank].append("pair") or pair(s, *a, **kw))
+    monkeypatch.setattr(ring.Setup, "verified",
+                        lambda s: (events[s.rank].append("verdict") if s.check else None) or verified(s))
+
+    def rank(comm):
+        start = comm.ring_start
+        comm.ring_start = lambda ts, shift=1: events[comm.rank].append("send") or start(ts, shift)
+        shards = [shard(t, comm, layout="zigzag") for t in (q, k, v)]
+        return kernel.context_parallel(*shards, group=comm, method="ring")
+
+    ThreadGroup(2).run(rank)
+    for e in events:
+        assert e[:3] == ["pair", "verdict", "send"], e
+    events[:] = [[], []]  # rank 1 calls another variant: both raise, neither sends
+    other = attncc.compile(attncc.Variant(None, lambda b, h, q, kv: q > kv))
+
+    def mixed(comm):
+        start = comm.ring_start
+        comm.ring_start = lambda ts, shift=1: events[comm.rank].append("send") or start(ts, shift)
+        shards = [shard(t, comm, layout="zigzag") for t in (q, k, v)]
+        _expect_error(lambda: (other if comm.rank else kernel).context_parallel(*shards, group=comm, method="ring"),
+                      "disagrees", "variant")
+
+    ThreadGroup(2).run(mixed)
+    assert "send" not in events[0] + events[1], events
 
 
 def test_ring_stops_after_the_last_step_anyone_needs():
@@ -495,20 +532,22 @@ def test_allgather_rows_and_their_fallback(rows, monkeypatch):
             _compare(got[0], want, f"{name} {layout} all-gather, rows {rows}")
 
 
+@pytest.mark.parametrize("L", [40, 2100])  # rows (2 heads x L): a program each, blocks of 32 (merge_splits)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_ring_merge_of_a_chunks_partials(dtype):
+def test_ring_merge_of_a_chunks_partials(dtype, L):
     """ring.merge (one pass of attncc's merge kernel over a query chunk's partials) against a
-    float64 merge: rows without keys in some partials, in all of them (out 0, lse -inf)."""
+    float64 merge: rows without keys in some partials, in all of them (out 0, lse -inf); few rows
+    (a program each, as decoding's) and many (blocks of rows, the last one ragged)."""
     from attncc.distributed import ring
     g = torch.Generator().manual_seed(3)
-    outs = torch.randn(3, 1, 2, 40, 16, generator=g).to(dtype)
-    lses = torch.randn(3, 1, 2, 40, generator=g) * 3
+    outs = torch.randn(3, 1, 2, L, 16, generator=g).to(dtype)
+    lses = torch.randn(3, 1, 2, L, generator=g) * 3
     lses[1, :, :, :5] = float("-inf")
     lses[:, :, :, 7] = float("-inf")
     out, lse = ring.merge(outs, lses, torch.bfloat16)
     want_lse = torch.logsumexp(lses.double(), 0)
     want = (torch.exp(lses.double() - want_lse).nan_to_num(0.0)[..., None] * outs.double()).sum(0)
     assert torch.isfinite(out).all() and (out[:, :, 7] == 0).all() and (lse[:, :, 7] == float("-inf")).all()
-    keep = torch.arange(40) != 7
+    keep = torch.arange(L) != 7
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse[..., keep].double(), want_lse[..., keep], rtol=1e-5, atol=1e-5)

@@ -36,7 +36,17 @@ class _Pending:
         return self.received
 
 
-_HOST_GROUPS: dict = {}  # NCCL process group -> a gloo group of its ranks, or None
+class _Rows:
+    """gather_ints in flight: wait() gives the rows as lists."""
+
+    def __init__(self, pending):
+        self.pending = pending
+
+    def wait(self):
+        return torch.stack(self.pending.wait()).tolist()
+
+
+_SIDE_GROUPS: dict = {}  # (process group, backend) -> a group of its ranks over that backend (Comm._side_group)
 
 
 class Comm:
@@ -62,32 +72,52 @@ class Comm:
         self.dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def gather_ints(self, values) -> list:
+    def gather_ints(self, values, wait: bool = True):
         """Every rank's ``values`` (ints, as many on each rank): one small all-gather on the host,
         over the group's CPU backend or, for a NCCL-only group, a gloo group of the same ranks
         (made once, by these ranks only): through NCCL the host would wait for the all-gather and so
-        for every kernel queued before it, and the GPU for the host after it."""
+        for every kernel queued before it, and the GPU for the host after it. ``wait=False``: a
+        handle whose wait() gives them, the all-gather in flight meanwhile (on the host)."""
         group = self._host_group()
         t = torch.tensor(values, dtype=torch.int64)
         if group is None:  # no gloo here: through the device
             t = t.to(f"cuda:{torch.cuda.current_device()}") if "nccl" in self.backend else t
-            return torch.stack(self.all_gather(t)).tolist()
+            table = torch.stack(self.all_gather(t)).tolist()
+            return table if wait else _Done(table)
         out = [torch.empty_like(t) for _ in range(self.world)]
-        self.dist.all_gather(out, t, group=group)
-        return torch.stack(out).tolist()
+        work = self.dist.all_gather(out, t, group=group, async_op=True)
+        pending = _Pending([work], out, None)
+        return _Rows(pending) if not wait else _Rows(pending).wait()
 
     def _host_group(self):
         """A process group of these ranks that runs collectives on CPU tensors, or None."""
         if "nccl" not in self.backend or "cpu:" in self.backend:
             return self.group
-        key = self.group if self.group is not None else self.dist.group.WORLD  # a new one after re-initialising
-        if key not in _HOST_GROUPS:
+        return self._side_group("gloo", None)
+
+    def _ring_group(self):
+        """The group the ring's sends and receives go through: for NCCL, one of these ranks whose
+        streams have high priority, so that a transfer's kernel takes SMs as soon as a program of
+        the attention kernel before it retires. On the group's own (normal-priority) stream the
+        block scheduler kept handing SMs to the attention kernel's programs instead: the transfers
+        started in the kernels' last wave and 8 of 120 ms waited for them (128k, 4 H200s)."""
+        if "nccl" not in self.backend:
+            return self.group
+        opts = self.dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        return self._side_group("nccl", self.group, pg_options=opts)
+
+    def _side_group(self, backend, fallback, **options):
+        """A group of these ranks over ``backend`` (made once, by these ranks only), else fallback."""
+        key = (self.group if self.group is not None else self.dist.group.WORLD, backend)  # new after re-initialising
+        if key not in _SIDE_GROUPS:
             try:
                 ranks = [self._global(r) for r in range(self.world)]
-                _HOST_GROUPS[key] = self.dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-            except Exception:  # noqa: BLE001 - a build without gloo: the device all-gather instead
-                _HOST_GROUPS[key] = None
-        return _HOST_GROUPS[key]
+                _SIDE_GROUPS[key] = self.dist.new_group(ranks, backend=backend, use_local_synchronization=True,
+                                                        **options)
+            except Exception:  # noqa: BLE001 - a build without it: the fallback
+                _SIDE_GROUPS[key] = fallback
+        return _SIDE_GROUPS[key]
 
     def ring_start(self, tensors, shift: int = 1):
         """Send ``tensors`` to rank + shift and receive their like from rank - shift, asynchronously."""
@@ -98,8 +128,9 @@ class Comm:
         recv = [torch.empty_like(t) for t in send]
         nxt = self._global((self.rank + shift) % self.world)
         prv = self._global((self.rank - shift) % self.world)
-        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, prv, self.group) for t in recv]
+        group = self._ring_group()
+        ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops), recv, send)
 
     def all_gather(self, t: torch.Tensor) -> list:
@@ -188,8 +219,9 @@ class _ThreadComm:
     def gather_objects(self, obj) -> list:
         return self._exchange(obj)
 
-    def gather_ints(self, values) -> list:
-        return self._exchange(list(values))
+    def gather_ints(self, values, wait: bool = True):
+        table = self._exchange(list(values))
+        return table if wait else _Done(table)
 
     def ring_start(self, tensors, shift: int = 1):
         slots = self._exchange([t.clone() for t in tensors])

@@ -43,6 +43,7 @@ class Setup:
     steps: int         # ring steps that bring some rank a shard it needs (ring_steps)
     late: frozenset = frozenset()  # local pairs the ring backward computes last (late_pairs)
     tile_empty: frozenset | None = None  # this rank's pairs whose tile classes keep nothing (pair_is_empty)
+    check: object = None  # the call check in flight (attention.prepare): verified() waits for its verdict
 
     @property
     def interpret(self) -> bool:
@@ -51,6 +52,13 @@ class Setup:
     @property
     def mine(self) -> tuple:
         return self.layout.chunks[self.rank]
+
+    def verified(self) -> None:
+        """Wait for the call check's verdict (an AttnccError where the ranks' calls differ): before
+        the first exchange, as a collective would hang on a rank that has stopped."""
+        if self.check is not None:
+            check, self.check = self.check, None
+            check()
 
 
 @lru_cache(maxsize=256)
@@ -149,21 +157,32 @@ def partial_dtype(s: Setup, q):
 
 
 def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps, i: int, kv_off: int,
-                  dq_sum=None, dkv_sum=None, dkv_out=None):
+                  dq_sum=None, dkv_sum=None, dkv_out=None, rows=None, dq_out=None):
     """float32 (dq, dk, dv) of one pair; capture gradients are added into dcaps. dq_sum, dkv_sum:
     float32 sums of earlier pairs (dq; dk and dv) that this pair's gradients are added to and that
     come back as the result: the Gluon tier's chunk kernels add in place (no tensor of their own,
     no extra pass: H200, the ring's adds took ~3 ms of a 120 ms forward+backward at 128k on 4
     GPUs), other kernels write new ones, added here. dkv_out: new (dk, dv) to write (views of a
-    larger buffer) where there is no sum."""
+    larger buffer) where there is no sum. rows (Gluon chunk kernels): the query chunk's state
+    that its pairs share (their dQ sum in the kernels' buffer: dq_sum unused), written to dq_out,
+    in any dtype, by the pair that passes it (the chunk's last); dq comes back as None before."""
     def run(module):
         adds = getattr(module, "TIER", "") == "gluon" and s.spec.offsets  # chunk kernels that add in place
-        dq = dq_sum if adds and dq_sum is not None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        if rows is not None:
+            if not adds:
+                raise RuntimeError("backward_pair: a query chunk's shared rows need the Gluon chunk kernels")
+            dq = dq_out
+        else:
+            dq = dq_sum if adds and dq_sum is not None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if dkv_sum is not None:
             dk, dv = dkv_sum if adds else [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in (k, v)]
         else:
             dk, dv = dkv_out or [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in (k, v)]
-        extra = dict(add_dq=dq is dq_sum, add_dkv=dkv_sum is not None and dk is dkv_sum[0]) if adds else {}
+        extra = {}
+        if adds:
+            extra = dict(add_dq=dq is dq_sum, add_dkv=dkv_sum is not None and dk is dkv_sum[0])
+            if rows is not None:
+                extra.update(rows=rows, write_dq=dq is not None)
         runtime.launch(module, q, k, v, out, lse, dout, dlse, dq, dk, dv, caps, dcaps, s.scale, *s.rng,
                        blocks=_blocks(s, module, caps, q, i, None, k.shape[2], kv_off),
                        q_off=i * s.cq, kv_off=kv_off, n_kv_all=s.lkv, **extra)
@@ -217,7 +236,9 @@ def _finish(s: Setup, parts, q, dv: int, dtype):
 
 def ring_forward(s: Setup, comm, q, k, v, caps):
     """Each local query chunk's partials of the pairs the mask keeps go into slots of one buffer
-    per chunk (the kernels write them there) and are merged once at the end (merge)."""
+    per chunk (the kernels write them there) and are merged once at the end (merge). The first
+    local pair is launched before the call check's verdict (Setup.verified), the first send after
+    it: NCCL's stream waits for that pair's kernel, a small part of the first step's compute."""
     dtype = q.dtype
     q, k, v = _work(s, q, k, v)
     qs = _qchunks(s, q)
@@ -229,14 +250,19 @@ def ring_forward(s: Setup, comm, q, k, v, caps):
               torch.empty(len(m), B, H, s.cq, dtype=torch.float32, device=q.device)) for m in met]
     cur = [k, v]
     for step in range(s.steps):
-        pending = comm.ring_start(cur) if step < s.steps - 1 else None  # the next shard, while this computes
         ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
         src = s.layout.chunks[(s.rank - step) % comm.world]
-        for a, (i, qc) in enumerate(zip(s.mine, qs)):
-            for b, j in enumerate(src):
-                if (step, b) in met[a]:
-                    slot = met[a].index((step, b))
-                    forward_pair(s, qc, ks[b], vs[b], caps, i, j * s.ck, slots[a][0][slot], slots[a][1][slot])
+        pairs = [(a, b, i, qc, j) for a, (i, qc) in enumerate(zip(s.mine, qs)) for b, j in enumerate(src)
+                 if (step, b) in met[a]]
+        first = pairs[:1] if s.check is not None else []  # computes while the call check completes
+        for a, b, i, qc, j in first:
+            slot = met[a].index((step, b))
+            forward_pair(s, qc, ks[b], vs[b], caps, i, j * s.ck, slots[a][0][slot], slots[a][1][slot])
+        s.verified()
+        pending = comm.ring_start(cur) if step < s.steps - 1 else None  # the next shard, while this computes
+        for a, b, i, qc, j in pairs[len(first):]:
+            slot = met[a].index((step, b))
+            forward_pair(s, qc, ks[b], vs[b], caps, i, j * s.ck, slots[a][0][slot], slots[a][1][slot])
         if pending is not None:
             cur = pending.wait()
     parts = [None if not m else (o[0], l[0]) if len(m) == 1 else merge(o, l, dtype) for m, (o, l) in zip(met, slots)]
@@ -297,6 +323,7 @@ def gather_kv(s: Setup, comm, k, v):
 def allgather_forward(s: Setup, comm, q, k, v, caps):
     dtype = q.dtype
     q, k, v = _work(s, q, k, v)
+    s.verified()
     kw, vw = gather_kv(s, comm, k, v)
     parts = [forward_pair(s, qc, kw, vw, caps, i, 0) for i, qc in zip(s.mine, _qchunks(s, q))]
     return _finish(s, parts, q, v.shape[-1], dtype)
@@ -315,8 +342,8 @@ def _row_stats(s: Setup, lse, dlse):
 
 
 def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
-    """dq (float32), dk, dv (in k's dtype) and the capture gradients of this rank's shards (summed
-    over its pairs). A step collects its pairs' dK/dV per key chunk (the first pair's buffers as
+    """dq (float32; in q's dtype from the Gluon chunk kernels), dk, dv (in k's dtype) and the
+    capture gradients of this rank's shards (summed over its pairs). A step collects its pairs' dK/dV per key chunk (the first pair's buffers as
     they come); the shard's accumulators arrive from rank - 1 while it computes, take those, and
     leave for rank + 1 while the next step computes, so their transfer is hidden as the K/V
     shards' is (added in place at the end of the step they would wait for it, exposed). After the
@@ -331,19 +358,33 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
     lses, dlses = _row_stats(s, lse, dlse)
     dcaps = _grad_buffers(s, bwd_spec, caps, learnable, q.device)
     n = s.layout.per_rank
-    dqs = [None] * len(qs)
-    cur, src, moved = [k, v], s.rank, None
+    order = _backward_order(s, caps, qs, comm.world)
+    last = {a: at for at, (_, a, _, _) in enumerate(order)}  # each query chunk's last pair
+    # the Gluon chunk kernels keep a query chunk's dQ in their float32 buffer across its pairs (and
+    # its rows' statistics: one preprocess per chunk), written out in q's dtype by its last pair
+    rows = [{} for _ in qs] if bwd_spec.tier == "gluon" else None
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rows else None
+    dqs = _qchunks(s, dq) if rows else [None] * len(qs)
+
+    def compute(at, a, b, j, ks, vs, sums):  # (dk, dv) of pair `at` of the order, added to sums (dk, dv)
+        dsum = None if sums[b] is None else (sums[b], sums[n + b])
+        i = s.mine[a]
+        if rows:
+            _, sums[b], sums[n + b] = backward_pair(
+                s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a], douts[a], dlses[a], caps, dcaps, i, j * s.ck,
+                dkv_sum=dsum, rows=rows[a], dq_out=dqs[a] if last[a] == at else None)
+        else:
+            dqs[a], sums[b], sums[n + b] = backward_pair(s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a], douts[a],
+                                                         dlses[a], caps, dcaps, i, j * s.ck, dqs[a], dsum)
+
+    cur, moved = [k, v], None
     for step in range(s.steps):
         pending = comm.ring_start(cur) if step < s.steps - 1 else None
         ks, vs = _kvchunks(s, cur[0]), _kvchunks(s, cur[1])
         part = [None] * (2 * n)  # this step's dK of each key chunk, then dV
-        for a, i in enumerate(s.mine):
-            for b, j in enumerate(s.layout.chunks[src]):
-                if pair_is_empty(s, caps, qs[a], i, j) or (step == 0 and (i, j) in s.late):
-                    continue
-                dsum = None if part[b] is None else (part[b], part[n + b])
-                dqs[a], part[b], part[n + b] = backward_pair(s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a],
-                                                             douts[a], dlses[a], caps, dcaps, i, j * s.ck, dqs[a], dsum)
+        for at, (st, a, b, j) in enumerate(order):
+            if st == step:
+                compute(at, a, b, j, ks, vs, part)
         if moved is None:  # the first step: this step's sums start the accumulators (zeros where none)
             acc = [p if p is not None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                    for p, t in zip(part, ks + vs)]
@@ -357,22 +398,40 @@ def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps,
         else:  # complete but for this rank's late pairs: home (rank - step; rank + 1 after W steps)
             moved = comm.ring_start(acc if s.late else [t.to(dtype) for t in acc], shift=comm.world - step)
         if pending is not None:
-            cur, src = pending.wait(), (src - 1) % comm.world
+            cur = pending.wait()
     tail = [None] * (2 * n)  # the late local pairs' dK, dV, while the accumulators travel
     ks, vs = _kvchunks(s, k), _kvchunks(s, v)
-    for a, i in enumerate(s.mine):
-        for b, j in enumerate(s.mine):
-            if (i, j) in s.late and not pair_is_empty(s, caps, qs[a], i, j):
-                dsum = None if tail[b] is None else (tail[b], tail[n + b])
-                dqs[a], tail[b], tail[n + b] = backward_pair(s, bwd_spec, qs[a], ks[b], vs[b], outs[a], lses[a],
-                                                             douts[a], dlses[a], caps, dcaps, i, j * s.ck, dqs[a], dsum)
+    for at, (st, a, b, j) in enumerate(order):
+        if st == s.steps:
+            compute(at, a, b, j, ks, vs, tail)
     acc = moved.wait()  # this rank's own shard, every rank's pairs in it
     added = [c for c, t in enumerate(tail) if t is not None]
     if added:
         torch._foreach_add_([acc[c] for c in added], [tail[c] for c in added])
     if s.late:  # rounded once, after the last addition
         acc = [t.to(dtype) for t in acc]
-    return _joined(dqs, q, s.cq), torch.cat(acc[:n], 2), torch.cat(acc[n:], 2), dcaps
+    if rows:
+        for a in set(range(len(qs))) - set(last):  # chunks whose every pair the mask empties
+            dqs[a].zero_()
+    else:
+        dq = _joined(dqs, q, s.cq)
+    return dq, torch.cat(acc[:n], 2), torch.cat(acc[n:], 2), dcaps
+
+
+def _backward_order(s: Setup, caps, qs, world: int) -> list:
+    """The ring backward's pairs in the order it computes them, as (step, query chunk a, key
+    chunk b of the shard at hand, its chunk number j): step s.steps for the late local pairs
+    (late_pairs), computed after the last step; none that the mask empties."""
+    order = []
+    for step in range(s.steps):
+        src = s.layout.chunks[(s.rank - step) % world]
+        for a, i in enumerate(s.mine):
+            order += [(step, a, b, j) for b, j in enumerate(src)
+                      if not pair_is_empty(s, caps, qs[a], i, j) and not (step == 0 and (i, j) in s.late)]
+    for a, i in enumerate(s.mine):
+        order += [(s.steps, a, b, j) for b, j in enumerate(s.mine)
+                  if (i, j) in s.late and not pair_is_empty(s, caps, qs[a], i, j)]
+    return order
 
 
 def allgather_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):

@@ -582,20 +582,24 @@ def _tma_ready(t):
 
 
 def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_scale, seed=0, offset=0,
-           dropout_p=0.0, blocks=None, *, q_off=0, kv_off=0, n_kv_all=0, add_dq=False, add_dkv=False):
+           dropout_p=0.0, blocks=None, *, q_off=0, kv_off=0, n_kv_all=0, add_dq=False, add_dkv=False, rows=None, write_dq=True):
     """Gradients of attention: fills dq (B, H, Lq, D), dk and dv (B, H // GROUP, Lkv, D). q_off, kv_off:
     the positions of q's first query and k's first key (n_kv_all, the whole key length, only
     dropout reads: the Gluon tier has none). add_dq, add_dkv: dq, or dk and dv, are float32 sums
-    of earlier chunk pairs, which this call's gradients are added to (no tensor of their own)."""
+    of earlier chunk pairs, which this call's gradients are added to (no tensor of their own).
+    rows: a dict that the calls of one query chunk (same q, out, dout, lse, dlse) share: the first
+    fills it with the rows' statistics and the float32 dQ buffer, the others add into that buffer
+    (one preprocess per chunk, not per pair); dq is written only where write_dq (its last pair)."""
     B, H, N_CTX_Q = q.shape[:3]
     N_CTX_KV = k.shape[2]
     q, k, v, dout = _tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(dout)
-    lse2, delta = (torch.empty(B, H, N_CTX_Q, dtype=torch.float32, device=q.device) for _ in range(2))
     n_q = cdiv(N_CTX_Q, 64)
-    dq_acc, dq_desc = _dq_accumulator(B * H * n_q, q.device)
-    attn_bwd_preprocess[(n_q * 1, B * H)](  # every row of dq_acc's tiles, 64 at a time
-        out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_acc, *out.stride(), *dout.stride(), H, N_CTX_Q,
-        HEAD_DIM=128, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
+    shared = rows if rows is not None else {}
+    if shared.get("tiles") != (64, B * H * n_q):  # the query chunk's first call (at these tiles)
+        shared.update(tiles=(64, B * H * n_q), acc=_dq_accumulator(B * H * n_q, q.device),
+                      stats=[torch.empty(B, H, N_CTX_Q, dtype=torch.float32, device=q.device) for _ in range(2)])
+        _preprocess(out, dout, lse, dlse, *shared["stats"], shared["acc"][0], H, N_CTX_Q, n_q)
+    (lse2, delta), (dq_acc, dq_desc) = shared["stats"], shared["acc"]
     heads = 1 if N_CTX_KV >= SPLIT_HEADS_FROM else 1  # query heads per program
     dk_out, dv_out = dk, dv
     if heads < 1 and not add_dkv:  # each query head's programs add their dK, dV: float32 sums, rounded after
@@ -614,11 +618,19 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
         GROUP=1, HEADS=heads, FOLD_LSE=fold_lse, ADD_DKV=add_dkv and heads == 1, num_warps=4,
         maxnreg=168,  # registers at entry for 12 warps: the workers take 240 and 24, the default partition the rest
     )
-    attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=64, HEAD_DIM=128,
-                              ADD=add_dq, num_warps=4)
+    if write_dq:
+        attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=64, HEAD_DIM=128,
+                                  ADD=add_dq, num_warps=4)
     if dk is not dk_out:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
+
+
+def _preprocess(out, dout, lse, dlse, lse2, delta, dq_acc, H, N_CTX_Q, n_q):
+    """attn_bwd_preprocess: lse2 and delta of every row, dq_acc zeroed (its tiles, 64 rows at a time)."""
+    attn_bwd_preprocess[(n_q * 1, lse2.shape[0] * H)](
+        out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_acc, *out.stride(), *dout.stride(), H, N_CTX_Q,
+        HEAD_DIM=128, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
 
 
 def _dq_accumulator(n_tiles, device):

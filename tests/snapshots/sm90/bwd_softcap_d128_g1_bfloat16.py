@@ -571,12 +571,10 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
     B, H, N_CTX_Q = q.shape[:3]
     N_CTX_KV = k.shape[2]
     q, k, v, dout = _tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(dout)
-    lse2, delta = (torch.empty(B, H, N_CTX_Q, dtype=torch.float32, device=q.device) for _ in range(2))
     n_q = cdiv(N_CTX_Q, 64)
+    lse2, delta = (torch.empty(B, H, N_CTX_Q, dtype=torch.float32, device=q.device) for _ in range(2))
     dq_acc, dq_desc = _dq_accumulator(B * H * n_q, q.device)
-    attn_bwd_preprocess[(n_q * 1, B * H)](  # every row of dq_acc's tiles, 64 at a time
-        out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_acc, *out.stride(), *dout.stride(), H, N_CTX_Q,
-        HEAD_DIM=128, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
+    _preprocess(out, dout, lse, dlse, lse2, delta, dq_acc, H, N_CTX_Q, n_q)
     heads = 1 if N_CTX_KV >= SPLIT_HEADS_FROM else 1  # query heads per program
     dk_out, dv_out = dk, dv
     if heads < 1:  # each query head's programs add their dK, dV: float32 sums, rounded after
@@ -597,6 +595,13 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
     if dk is not dk_out:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
+
+
+def _preprocess(out, dout, lse, dlse, lse2, delta, dq_acc, H, N_CTX_Q, n_q):
+    """attn_bwd_preprocess: lse2 and delta of every row, dq_acc zeroed (its tiles, 64 rows at a time)."""
+    attn_bwd_preprocess[(n_q * 1, lse2.shape[0] * H)](
+        out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_acc, *out.stride(), *dout.stride(), H, N_CTX_Q,
+        HEAD_DIM=128, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
 
 
 def _dq_accumulator(n_tiles, device):
