@@ -85,9 +85,8 @@ class Comm:
             table = torch.stack(self.all_gather(t)).tolist()
             return table if wait else _Done(table)
         out = [torch.empty_like(t) for _ in range(self.world)]
-        work = self.dist.all_gather(out, t, group=group, async_op=True)
-        pending = _Pending([work], out, None)
-        return _Rows(pending) if not wait else _Rows(pending).wait()
+        rows = _Rows(_Pending([self.dist.all_gather(out, t, group=group, async_op=True)], out, None))
+        return rows.wait() if wait else rows
 
     def _host_group(self):
         """A process group of these ranks that runs collectives on CPU tensors, or None."""

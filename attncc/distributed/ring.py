@@ -343,15 +343,16 @@ def _row_stats(s: Setup, lse, dlse):
 
 def ring_backward(s: Setup, comm, bwd_spec, q, k, v, out, lse, dout, dlse, caps, learnable):
     """dq (float32; in q's dtype from the Gluon chunk kernels), dk, dv (in k's dtype) and the
-    capture gradients of this rank's shards (summed over its pairs). A step collects its pairs' dK/dV per key chunk (the first pair's buffers as
-    they come); the shard's accumulators arrive from rank - 1 while it computes, take those, and
-    leave for rank + 1 while the next step computes, so their transfer is hidden as the K/V
-    shards' is (added in place at the end of the step they would wait for it, exposed). After the
-    last step (Setup.steps) one move takes them home, exposed: rounded to k's dtype, as nothing
-    is added to them after it (half the bytes, the same result), or, where local pairs are left for
-    last (Setup.late, late_pairs), in float32 while those compute, added in when it lands. Sending
-    each chunk's as soon as its pairs were done measured no faster (H200 x4): a batched send waits
-    for its receiver to reach the same point, which stalled the steps instead."""
+    capture gradients of this rank's shards (summed over its pairs). A step collects its pairs'
+    dK/dV per key chunk (the first pair's buffers as they come); the shard's accumulators arrive
+    from rank - 1 while it computes, take those, and leave for rank + 1 while the next step
+    computes, so their transfer is hidden as the K/V shards' is (added in place at the end of the
+    step they would wait for it, exposed). After the last step (Setup.steps) one move takes them
+    home, exposed: rounded to k's dtype, as nothing is added to them after it (half the bytes, the
+    same result), or, where local pairs are left for last (Setup.late, late_pairs), in float32 while
+    those compute, added in when it lands. Sending each chunk's as soon as its pairs were done
+    measured no faster (H200 x4): a batched send waits for its receiver to reach the same point,
+    which stalled the steps instead."""
     dtype = k.dtype
     q, k, v, out, dout = _work(s, q, k, v, out, dout)
     qs, outs, douts = _qchunks(s, q), _qchunks(s, out), _qchunks(s, dout)
