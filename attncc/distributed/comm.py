@@ -102,18 +102,21 @@ class Comm:
         started in the kernels' last wave and 8 of 120 ms waited for them (128k, 4 H200s)."""
         if "nccl" not in self.backend:
             return self.group
-        opts = self.dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = True
-        return self._side_group("nccl", self.group, pg_options=opts)
 
-    def _side_group(self, backend, fallback, **options):
+        def high_priority():
+            opts = self.dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = True
+            return dict(pg_options=opts)
+        return self._side_group("nccl", self.group, high_priority)
+
+    def _side_group(self, backend, fallback, options=dict):
         """A group of these ranks over ``backend`` (made once, by these ranks only), else fallback."""
         key = (self.group if self.group is not None else self.dist.group.WORLD, backend)  # new after re-initialising
         if key not in _SIDE_GROUPS:
             try:
                 ranks = [self._global(r) for r in range(self.world)]
                 _SIDE_GROUPS[key] = self.dist.new_group(ranks, backend=backend, use_local_synchronization=True,
-                                                        **options)
+                                                        **options())
             except Exception:  # noqa: BLE001 - a build without it: the fallback
                 _SIDE_GROUPS[key] = fallback
         return _SIDE_GROUPS[key]
