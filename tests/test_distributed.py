@@ -534,7 +534,7 @@ def test_allgather_rows_and_their_fallback(rows, monkeypatch):
             _compare(got[0], want, f"{name} {layout} all-gather, rows {rows}")
 
 
-@pytest.mark.parametrize("L", [40, 2100])  # rows (2 heads x L): a program each, blocks of 32 (merge_splits)
+@pytest.mark.parametrize("L", [40, 2100])  # rows (2 heads x L): merge_splits (a program each), merge_rows (blocks)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_ring_merge_of_a_chunks_partials(dtype, L):
     """ring.merge (one pass of attncc's merge kernel over a query chunk's partials) against a
