@@ -4,9 +4,10 @@ register cost? Compiled for sm90 without a GPU: one consumer warp group's step o
 shapes), FA4's order (S^T and dP^T issued, P^T, dS^T, dV and dK from registers, dQ^T swapped so
 that its M is half the head dim). Prints registers, spills and the SASS's HGMMA shapes.
 
-    PYTHONPATH=<triton 3.6> python benchmarks/gluon/tile80.py [--queries 80|64]
+    PYTHONPATH=<triton 3.6> python benchmarks/gluon/tile80.py [--queries 80|64] [--tail-first]
 
-No data moves (shared memory is allocated, never loaded): this is about the code ptxas makes,
+Triton 3.6, 240 registers (2026-11-27): 64 queries 56 bytes of stack (as the real kernel at head
+dim 128), 80 queries 264 bytes, 176 with the 16 queries' part first. No data moves (shared memory is allocated, never loaded): this is about the code ptxas makes,
 not about numbers. benchmarks/gluon/NOTES.md has the context."""
 import argparse
 import collections
@@ -58,8 +59,9 @@ def _part(k_rows, v_rows, q, do, lse, delta, dv, dk, N: gl.constexpr):
 
 
 @gluon.jit
-def step80(Y, N_STEPS, TAIL: gl.constexpr):
-    """TAIL: queries past the first 64 (16: the 80-query tile; 0: today's 64)."""
+def step80(Y, N_STEPS, TAIL: gl.constexpr, TAIL_FIRST: gl.constexpr):
+    """TAIL: queries past the first 64 (16: the 80-query tile; 0: today's 64), their part of the
+    step first where TAIL_FIRST."""
     acc: gl.constexpr = _acc(128)
     sh128: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
     k_rows = gl.allocate_shared_memory(gl.bfloat16, [KEYS, D], sh128)
@@ -78,10 +80,14 @@ def step80(Y, N_STEPS, TAIL: gl.constexpr):
     dv = gl.zeros([KEYS, D], gl.float32, acc)
     dk = gl.zeros([KEYS, D], gl.float32, acc)
     for i in range(N_STEPS):
+        if TAIL > 0 and TAIL_FIRST:
+            lse_b = gl.load(Y + i * 64 + gl.arange(0, TAIL, layout=vec))
+            dv, dk, ds16b = _part(k_rows, v_rows, q_b, do_b, lse_b, lse_b, dv, dk, TAIL)
+            ds_b.slice(0, KEYS).store(ds16b)
         lse = gl.load(Y + i * 64 + gl.arange(0, 64, layout=vec))
         dv, dk, ds16 = _part(k_rows, v_rows, q_a, do_a, lse, lse, dv, dk, 64)
         ds_a.slice(0, KEYS).store(ds16)
-        if TAIL > 0:
+        if TAIL > 0 and not TAIL_FIRST:
             lse_b = gl.load(Y + i * 64 + gl.arange(0, TAIL, layout=vec))
             dv, dk, ds16b = _part(k_rows, v_rows, q_b, do_b, lse_b, lse_b, dv, dk, TAIL)
             ds_b.slice(0, KEYS).store(ds16b)
@@ -104,10 +110,13 @@ def step80(Y, N_STEPS, TAIL: gl.constexpr):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--queries", type=int, default=80, choices=(64, 80))
+    parser.add_argument("--maxnreg", type=int, default=240, help="the consumers' registers in the real kernel")
+    parser.add_argument("--tail-first", action="store_true", help="the 16 queries' part of the step first")
     args = parser.parse_args()
     target = GPUTarget("cuda", 90, 128)
     backend = make_backend(target)
-    call, kwargs = [torch.zeros(32768), 10], dict(TAIL=args.queries - 64, num_warps=4)
+    call, kwargs = [torch.zeros(32768), 10], dict(TAIL=args.queries - 64, TAIL_FIRST=args.tail_first, num_warps=4,
+                                                   maxnreg=args.maxnreg)
     bound, spec, options = create_function_from_signature(step80.signature, step80.params, backend)(*call, **kwargs)
     options, signature, constexprs, attrs = step80._pack_args(backend, kwargs, bound, spec, options)
     compiled = triton.compile(GluonASTSource(step80, signature, constexprs, attrs), target=target,
