@@ -219,7 +219,7 @@ def _bad_inputs_and_host_check(comm):
     fake.backend = "nccl"
     assert fake.gather_ints([r, 7]) == [[0, 7], [1, 7]] and fake.gather_ints([5 * r]) == [[0], [5]]
     import torch.distributed as dist
-    assert comm_module._SIDE_GROUPS[dist.group.WORLD, "gloo"] is not None
+    assert comm_module._SIDE_GROUPS[dist.group.WORLD]["gloo"]() is not None
     # the ring's high-priority NCCL group: where NCCL is missing (this CPU build), the group itself
     assert fake._ring_group() is fake.group
 

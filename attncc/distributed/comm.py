@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -46,7 +47,12 @@ class _Rows:
         return torch.stack(self.pending.wait()).tolist()
 
 
-_SIDE_GROUPS: dict = {}  # (process group, backend) -> a group of its ranks over that backend (Comm._side_group)
+# process group -> {backend: weak reference to a group of its ranks over that backend, or _NONE where
+# none could be made} (Comm._side_group). Weak both ways: torch holds the groups until
+# destroy_process_group, and a group still held here when the interpreter shuts down aborted the
+# process at exit about one time in five (gloo, "terminate called without an active exception")
+_SIDE_GROUPS = weakref.WeakKeyDictionary()
+_NONE = object()
 
 
 class Comm:
@@ -111,15 +117,20 @@ class Comm:
 
     def _side_group(self, backend, fallback, options=dict):
         """A group of these ranks over ``backend`` (made once, by these ranks only), else fallback."""
-        key = (self.group if self.group is not None else self.dist.group.WORLD, backend)  # new after re-initialising
-        if key not in _SIDE_GROUPS:
+        made = _SIDE_GROUPS.setdefault(self.group if self.group is not None else self.dist.group.WORLD, {})
+        entry = made.get(backend)
+        if entry is _NONE:
+            return fallback
+        group = entry() if entry is not None else None
+        if group is None:
             try:
                 ranks = [self._global(r) for r in range(self.world)]
-                _SIDE_GROUPS[key] = self.dist.new_group(ranks, backend=backend, use_local_synchronization=True,
-                                                        **options())
+                group = self.dist.new_group(ranks, backend=backend, use_local_synchronization=True, **options())
             except Exception:  # noqa: BLE001 - a build without it: the fallback
-                _SIDE_GROUPS[key] = fallback
-        return _SIDE_GROUPS[key]
+                made[backend] = _NONE
+                return fallback
+            made[backend] = weakref.ref(group)
+        return group
 
     def ring_start(self, tensors, shift: int = 1):
         """Send ``tensors`` to rank + shift and receive their like from rank - shift, asynchronously."""
