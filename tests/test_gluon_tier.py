@@ -261,7 +261,7 @@ else:
                                                   *out.stride(), *out.stride(), H, Lq],
                      dict(HEAD_DIM=d, BLOCK_M=64, HAS_DLSE=True, num_warps=4))
     compile_for_sm90(module.attn_bwd_dq, [torch.zeros(B * H * triton.cdiv(Lq, block_m) * block_m * d), q, *q.stride(), H, Lq],
-                     dict(BLOCK_M=block_m, HEAD_DIM=d, num_warps=4, **(dict(ADD=True) if offsets else {})))
+                     dict(BLOCK_M=block_m, HEAD_DIM=d, num_warps=4))
 assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
 adds = [line for line in compiled.asm["ptx"].splitlines() if "red.global" in line or "atom.global" in line]
 print("atomics", sum(".add.f32" in line for line in adds), "vector", sum(".add.v" in line for line in adds),

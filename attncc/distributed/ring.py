@@ -160,12 +160,13 @@ def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps
                   dq_sum=None, dkv_sum=None, dkv_out=None, rows=None, dq_out=None):
     """float32 (dq, dk, dv) of one pair; capture gradients are added into dcaps. dq_sum, dkv_sum:
     float32 sums of earlier pairs (dq; dk and dv) that this pair's gradients are added to and that
-    come back as the result: the Gluon tier's chunk kernels add in place (no tensor of their own,
-    no extra pass: H200, the ring's adds took ~3 ms of a 120 ms forward+backward at 128k on 4
-    GPUs), other kernels write new ones, added here. dkv_out: new (dk, dv) to write (views of a
-    larger buffer) where there is no sum. rows (Gluon chunk kernels): the query chunk's state
-    that its pairs share (their dQ sum in the kernels' buffer: dq_sum unused), written to dq_out,
-    in any dtype, by the pair that passes it (the chunk's last); dq comes back as None before."""
+    come back as the result: the Gluon tier's chunk kernels add dK and dV in place (no tensor of
+    their own, no extra pass: H200, the ring's adds took ~3 ms of a 120 ms forward+backward at
+    128k on 4 GPUs), other kernels write new ones, added here. dkv_out: new (dk, dv) to write
+    (views of a larger buffer) where there is no sum. rows (Gluon chunk kernels, which take it in
+    place of dq_sum): the query chunk's state that its pairs share, their dQ sum among it, written
+    to dq_out, in any dtype, by the pair that passes it (the chunk's last); dq comes back as None
+    before."""
     def run(module):
         adds = getattr(module, "TIER", "") == "gluon" and s.spec.offsets  # chunk kernels that add in place
         if rows is not None:
@@ -173,14 +174,14 @@ def backward_pair(s: Setup, bwd_spec, q, k, v, out, lse, dout, dlse, caps, dcaps
                 raise RuntimeError("backward_pair: a query chunk's shared rows need the Gluon chunk kernels")
             dq = dq_out
         else:
-            dq = dq_sum if adds and dq_sum is not None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if dkv_sum is not None:
             dk, dv = dkv_sum if adds else [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in (k, v)]
         else:
             dk, dv = dkv_out or [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in (k, v)]
         extra = {}
         if adds:
-            extra = dict(add_dq=dq is dq_sum, add_dkv=dkv_sum is not None and dk is dkv_sum[0])
+            extra = dict(add_dkv=dkv_sum is not None and dk is dkv_sum[0])
             if rows is not None:
                 extra.update(rows=rows, write_dq=dq is not None)
         runtime.launch(module, q, k, v, out, lse, dout, dlse, dq, dk, dv, caps, dcaps, s.scale, *s.rng,

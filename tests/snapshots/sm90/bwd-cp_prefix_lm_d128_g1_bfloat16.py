@@ -140,7 +140,7 @@ DQ_ORDER = (2, 5, 3, 0, 1, 4, 6)  # (attn_bwd_dq writes it out: Gluon 3.6 takes 
 
 @gluon.jit
 def attn_bwd_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, H, N_CTX_Q,
-                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, ADD: gl.constexpr):
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """dq of one query tile from its block of the float32 buffer (DQ_ORDER), read in order and
     permuted in registers (through shared memory), so that both the read and dq's rows are whole
     lines (torch's copy of the permuted view took 0.135 ms for dq of 1x16x16384x128 on an H100,
@@ -158,8 +158,6 @@ def attn_bwd_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, H, N
     b = off_bh // H
     h = off_bh % H
     ptrs = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + rows * stride_dqm + cols * stride_dqd
-    if ADD:  # dq holds earlier chunk pairs' sums (context parallelism): added to
-        dq += gl.load(ptrs, mask=(rows < N_CTX_Q) & (cols < HEAD_DIM), other=0.0).to(gl.float32)
     gl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=(rows < N_CTX_Q) & (cols < HEAD_DIM))
 
 
@@ -582,14 +580,14 @@ def _tma_ready(t):
 
 
 def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_scale, seed=0, offset=0,
-           dropout_p=0.0, blocks=None, *, q_off=0, kv_off=0, n_kv_all=0, add_dq=False, add_dkv=False, rows=None, write_dq=True):
+           dropout_p=0.0, blocks=None, *, q_off=0, kv_off=0, n_kv_all=0, add_dkv=False, rows=None, write_dq=True):
     """Gradients of attention: fills dq (B, H, Lq, D), dk and dv (B, H // GROUP, Lkv, D). q_off, kv_off:
     the positions of q's first query and k's first key (n_kv_all, the whole key length, only
-    dropout reads: the Gluon tier has none). add_dq, add_dkv: dq, or dk and dv, are float32 sums
-    of earlier chunk pairs, which this call's gradients are added to (no tensor of their own).
-    rows: a dict that the calls of one query chunk (same q, out, dout, lse, dlse) share: the first
-    fills it with the rows' statistics and the float32 dQ buffer, the others add into that buffer
-    (one preprocess per chunk, not per pair); dq is written only where write_dq (its last pair)."""
+    dropout reads: the Gluon tier has none). add_dkv: dk and dv are float32 sums of earlier chunk
+    pairs, which this call's gradients are added to (no tensor of their own). rows: a dict that
+    the calls of one query chunk (same q, out, dout, lse, dlse) share: the first fills it with the
+    rows' statistics and the float32 dQ buffer, the others add into that buffer (one preprocess
+    per chunk, not per pair); dq is written only where write_dq (its last pair)."""
     B, H, N_CTX_Q = q.shape[:3]
     N_CTX_KV = k.shape[2]
     q, k, v, dout = _tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(dout)
@@ -618,9 +616,8 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
         GROUP=1, HEADS=heads, FOLD_LSE=fold_lse, ADD_DKV=add_dkv and heads == 1, num_warps=4,
         maxnreg=168,  # registers at entry for 12 warps: the workers take 240 and 24, the default partition the rest
     )
-    if write_dq:
-        attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=64, HEAD_DIM=128,
-                                  ADD=add_dq, num_warps=4)
+    if write_dq:  # the query chunk's last call (rows), or a call of its own
+        attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=64, HEAD_DIM=128, num_warps=4)
     if dk is not dk_out:
         dk_out.copy_(dk)
         dv_out.copy_(dv)

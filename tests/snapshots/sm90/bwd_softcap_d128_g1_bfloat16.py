@@ -590,8 +590,7 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
         GROUP=1, HEADS=heads, FOLD_LSE=fold_lse, num_warps=4,
         maxnreg=168,  # registers at entry for 12 warps: the workers take 240 and 24, the default partition the rest
     )
-    attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=64, HEAD_DIM=128,
-                              num_warps=4)
+    attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=64, HEAD_DIM=128, num_warps=4)
     if dk is not dk_out:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
