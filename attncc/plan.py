@@ -214,11 +214,20 @@ class KernelPlan:
     offsets: bool = False
     # Gluon forward: P rounded to bfloat16 two columns at a time (one cvt.rn.bf16x2.f32 per register
     # of the P V product's A operand) where that measured faster: three consumer warp groups and no
-    # mask bounding the keys (the persistent kernel). ptxas rounds them one by one, pairs the halves
-    # the other way round and swaps them back (64 PRMT a key step), and spilled more. H100, in turn
-    # (benchmarks/gluon/fwd_patches.py "cvt-pairs"): 1x32x16384x64 full 4.513 -> 4.132 ms; causal
-    # 2.259 -> 2.297 and head dim 128 (full 1x16x16384 3.432 -> 3.556) keep the plain conversion
+    # mask bounding the keys (the persistent kernel), and two warp groups with the row max as a tree
+    # (below). ptxas rounds them one by one, pairs the halves the other way round and swaps them back
+    # (64 PRMT a key step), and spilled more. H100, in turn (benchmarks/gluon/fwd_patches.py
+    # "cvt-pairs"): 1x32x16384x64 full 4.513 -> 4.132 ms; causal 2.259 -> 2.297 keeps the plain
+    # conversion, as did head dim 128 before the tree (full 1x16x16384 3.432 -> 3.556)
     probs_in_pairs: bool = False
+    # Gluon forward, two consumer warp groups: each thread's part of the row max as a tree over the
+    # key columns it holds (Triton reduces them as one chain of 31 dependent FMNMX at head dim 128,
+    # on the softmax's path while the other warp group's products run). H100, five rounds in turn,
+    # ms chain / tree with the pairs: head dim 128 full 4x16x4096 0.936 / 0.891, causal 0.537 /
+    # 0.524, GQA 4:1 causal 0.532 / 0.517, full 1x16x16384 3.600 / 3.501, causal 1.868 / 1.779.
+    # Three warp groups (head dim 64) keep the chain (causal 1x32x16384 2.423 / 2.537 with the tree);
+    # a tree for the row sum lost everywhere (it waits for pairs of exp2, the chain takes them in turn)
+    row_max_tree: bool = False
 
     @property
     def runtime_ints(self):
@@ -374,7 +383,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
     mask_class = _mask_class(f, fwd_bounds)
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
-    probs_in_pairs = three and spec.dtype == "bfloat16" and tile_bounds["attn_fwd"].unbounded
+    row_max_tree = kernel == "fwd" and gluon and not three
+    probs_in_pairs = spec.dtype == "bfloat16" and (row_max_tree or three and tile_bounds["attn_fwd"].unbounded)
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f,
@@ -410,7 +420,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short,
         pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton",
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
-        offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs)
+        offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree)
 
 
 def _tiled(fns) -> list:

@@ -206,6 +206,9 @@ class _GlTorch:
     max = staticmethod(lambda x, axis: x.amax(dim=axis))
     sum = staticmethod(lambda x, axis: x.sum(dim=axis))
     fma = staticmethod(lambda a, b, c: a * b + c)
+    reshape = staticmethod(lambda x, shape: x.reshape(shape))
+    static_range = staticmethod(range)
+    convert_layout = staticmethod(lambda x, layout: x)
     load = staticmethod(_load)
 
     def __getattr__(self, name):  # gl.exp2, gl.sin, gl.zeros_like, ...: torch's function of that name
@@ -213,13 +216,17 @@ class _GlTorch:
 
 
 def _softmax_step_in_torch(module):
-    """The rendered _softmax_step as a plain function over torch tensors."""
-    src = inspect.getsource(module._softmax_step.fn)
-    src = src[src.index("def "):].replace("qk.type.layout", "None")
+    """The rendered _softmax_step (and the row max it may call) as plain functions over torch tensors."""
     env = {"gl": _GlTorch(), "_tanh": torch.tanh, "_sigmoid": torch.sigmoid, "Pipeline": object,
            "_floor_div": lambda a, b: torch.div(a, b, rounding_mode="floor"),
            "_floor_mod": torch.remainder}
-    exec(compile(src, module.__file__, "exec"), env)
+    if hasattr(module, "_row_max"):  # plan.row_max_tree
+        env["_halvings"] = module._halvings.fn
+    for name in ("_row_max", "_softmax_step"):
+        if hasattr(module, name):
+            src = inspect.getsource(getattr(module, name).fn)
+            src = src[src.index("def "):].replace("qk.type.layout", "None").replace("m_i.type.layout", "None")
+            exec(compile(src, module.__file__, "exec"), env)
     return env["_softmax_step"]
 
 
@@ -292,6 +299,28 @@ def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path
         assert torch.isfinite(out).all()
         err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert err < 1e-5, (name, d, Lq, Lkv, q_off, kv_off, err)
+
+
+def test_gluon_forward_row_max_tree_is_the_row_max(tmp_path):
+    """The forward's row max as a tree (plan.row_max_tree), as rendered, over every column of tiles of
+    each width the kernels use: the softmax step cannot show a wrong max (the online softmax cancels
+    any per-row shift that does not overflow)."""
+    variant = _variant("causal", H=2)
+    built = plan.build("fwd", variant.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"), variant.captures)
+    assert built.row_max_tree
+    source = codegen.render(built)
+    path = tmp_path / "fwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    env = {"gl": _GlTorch(), "_halvings": module._halvings.fn}
+    src = inspect.getsource(module._row_max.fn)
+    exec(compile(src[src.index("def "):], module.__file__, "exec"), env)
+    g = torch.Generator().manual_seed(5)
+    for n in (8, 16, 64, 128, 256):
+        x = torch.randn(64, n, generator=g)
+        for row, col in ((0, 0), (1, n - 1), (2, n // 2), (3, n // 2 - 1)):  # the max at each end and the middle
+            x[row, col] = 100.0
+        assert torch.equal(env["_row_max"](x), x.amax(dim=1)), n
 
 
 # The Gluon backward's step as rendered (S^T from -lse2, dP^T from -Delta, the masks, dscore, the dK,

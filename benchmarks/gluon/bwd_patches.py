@@ -195,3 +195,100 @@ PATCHES["own-dq-late-64"] = [("""    # dQ needs both warp groups' dS^T: this one
 """, """    p.dq_smem.index(WG).slice(DQ_N // 4, DQ_N // 4).store(dq)
 """)] + [edit for edit in _OWN_COMMON if "HEAD_DIM // 8" not in edit[0] and "[DQ_N // 4, 256])" not in edit[0]
          and "instr_shape" not in edit[0]]
+
+# dQ one step late (head dim 128): step j issues step j - 1's dQ product before its own S^T, and
+# hands it to the producer while S^T runs; the step then ends waiting only for its dV and dK, so
+# the warp-group meeting over dS^T (now at the next step's start) and dQ's store leave the window
+# where the tensor cores idle between one step's last product and the next step's first. At j == 0
+# the product runs on the unused dS^T buffer and is dropped; the consumer issues the last step's
+# after its loops.
+_DQ_NEXT_FNS = '''@gluon.jit
+def _dq_issue(p: Pipeline, WG: gl.constexpr, j, dq_layout: gl.constexpr):
+    """Issue step j - 1's dQ product (nothing waited for at j == 0: its result is dropped)."""
+    DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128
+    mbarrier.wait(p.ds_ready.index((j + 1) % 2), ((j + 1) // 2 + 1) & 1, pred=j > 0)
+    return warpgroup_mma(p.ds_smem.index((j + 1) % 2).permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),
+                         gl.zeros([p.BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dq_hand(p: Pipeline, WG: gl.constexpr, j, dq):
+    """Step j - 1's dQ half to shared memory for the producer's add (not handed over at j == 0)."""
+    DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128
+    dq = gl.reshape(dq * p.sm_scale, [4, 2, 8, DQ_N // 8, 4, 2])  # (warp, i, t // 4, k, t % 4, j)
+    dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [DQ_N // 4, 256])
+    mbarrier.wait(p.dq_bars.index(2 + WG), j & 1, pred=j > 0)  # step j - 2's add has read the buffer
+    p.dq_smem.index(WG).store(dq)
+    fence_async_shared()
+    mbarrier.arrive(p.dq_bars.index(WG), count=1, pred=j > 0)
+
+
+@gluon.jit
+def _step('''
+_DQ_TAIL = """    # dQ's half goes to shared memory, from which the producer warp adds it into dq_acc by a TMA
+    # reduce-add (register atomics cost H100, full 4x16x4096x128: 2.85 -> 3.95 ms, and 4.12 issued
+    # by a warp of their own). In the accumulator's own order: thread t holds rows
+    # 16 warp + 8 i + t // 4 and columns 8 k + 2 (t % 4) + j, and those go to floats
+    # (128 k + t) * 4 + 2 i + j, so nothing moves between threads and every store is 128 bits
+    dq = gl.reshape(dq * p.sm_scale, [4, 2, 8, DQ_N // 8, 4, 2])  # (warp, i, t // 4, k, t % 4, j)
+    dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [DQ_N // 4, 256])
+    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer
+    p.dq_smem.index(WG).store(dq)
+    fence_async_shared()
+    mbarrier.arrive(p.dq_bars.index(WG), count=1)
+    return dk, dv
+"""
+PATCHES["dq-next"] = [
+    ("@gluon.jit\ndef _step(", _DQ_NEXT_FNS),
+    ("""    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    s_tok = warpgroup_mma(k_rows, q_smem.permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+""", """    dq_tok = _dq_issue(p, WG, j, dq_layout)
+    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    s_tok = warpgroup_mma(k_rows, q_smem.permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ))
+    _dq_hand(p, WG, j, dq)
+"""),
+    ("""    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
+    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+""" + _DQ_TAIL, """    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)  # step j + 1 issues this step's dQ
+    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+    return dk, dv
+"""),
+    ("""                       s_layout, op_layout, dq_layout, False)
+
+""", """                       s_layout, op_layout, dq_layout, False)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(p, WG, n_blocks * HEADS, dq_layout), ))
+    _dq_hand(p, WG, n_blocks * HEADS, dq)
+
+"""),
+]
+# head dim 64 (query tiles of 128, dQ split by rows): the same one step late
+PATCHES["dq-next-64"] = [
+    (PATCHES["dq-next"][0][0], PATCHES["dq-next"][0][1].replace(
+        """    return warpgroup_mma(p.ds_smem.index((j + 1) % 2).permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),
+                         gl.zeros([p.BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)""",
+        """    return warpgroup_mma(p.ds_smem.index((j + 1) % 2).slice(WG * 64, 64, dim=1).permute((1, 0)), p.k_smem,
+                         gl.zeros([64, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)""")),
+    PATCHES["dq-next"][1],
+    (PATCHES["dq-next"][2][0].replace(
+        """    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)""",
+        """    dq_tok = warpgroup_mma(ds_smem.slice(WG * 64, 64, dim=1).permute((1, 0)), p.k_smem,  # query rows 64 WG + [0, 64)
+                           gl.zeros([64, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)"""),
+     PATCHES["dq-next"][2][1]),
+    PATCHES["dq-next"][3],
+]

@@ -7,6 +7,8 @@ import torch
 PLAN_PATCHES = {
     # masked steps evaluate the printed mask (mods' "keep") and the length checks, not compares with row ends
     "mask-expr": {"row_keep": None},
+    # the forward's row max as Triton's one chain per row, P rounded one by one (before the tree)
+    "max-chain": {"row_max_tree": False, "probs_in_pairs": False},
 }
 
 
