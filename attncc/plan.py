@@ -125,6 +125,16 @@ def _row_keep(mask, outer, inner, printer_) -> RowKeep | None:
                    f"{iv.first}, {iv.last}")
 
 
+def _band(mask) -> int:
+    """How many keys each query keeps where mask_mod keeps one interval of them whose width is a
+    constant (a sliding window: 1024 for ``q - k < 1024`` with causal), else 0."""
+    iv = bounds_pass.row_interval(mask, Q, KV)
+    if iv is None or iv.first.is_infinite or iv.last.is_infinite:
+        return 0
+    width = sp.simplify(iv.last + 1 - iv.first)
+    return int(width) if width.is_Integer and width > 0 else 0
+
+
 def _keep_by_rows(outputs: list, loop: set) -> list:
     """outputs with mask_mod ("keep") written as each row's interval of the loop's index where it is
     exactly one with plain ends (bounds_pass.row_interval): the ends are computed once a row and each
@@ -228,6 +238,13 @@ class KernelPlan:
     # Three warp groups (head dim 64) keep the chain (causal 1x32x16384 2.423 / 2.537 with the tree);
     # a tree for the row sum lost everywhere (it waits for pairs of exp2, the chain takes them in turn)
     row_max_tree: bool = False
+    # Gluon forward: the keys each query keeps where that is a constant-width window (_band), else 0.
+    # Where the band is narrow beside the keys, every Q tile has about the same work, and the launcher
+    # runs one program per SM over the tiles as for unmasked attention (H100, bf16, ms one program a
+    # tile / per SM: sliding window 1024 at 4x16x4096x128 0.276 / 0.263, 1x16x16384x128 0.297 / 0.278,
+    # 4x32x4096x64 0.410 / 0.378); causal keeps a program per tile (the static split's programs get
+    # tiles of unequal lengths: 1x16x16384x128 1.80 / 2.57)
+    band: int = 0
 
     @property
     def runtime_ints(self):
@@ -420,7 +437,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         flat_group=spec.group > 1 and "h" not in f.mask_reads and not block_sparse, short_kv=short,
         pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton",
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
-        offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree)
+        offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree,
+        band=_band(keep) if kernel == "fwd" and gluon and keep is not None else 0)
 
 
 def _tiled(fns) -> list:

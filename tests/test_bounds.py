@@ -122,6 +122,23 @@ def test_plans_mask_by_row_ends():
     assert "_floor_mod" in keep(plan.build("fwd", dilated.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90")), "attn_fwd")
 
 
+def test_gluon_forward_band_width():
+    """The Gluon forward's plan.band (the launcher runs one program per SM over the tiles where the
+    band is narrow beside the keys): the width of a constant window, 0 where it is none."""
+    from attncc import plan
+    from attncc.spec import Spec
+    spec = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon")
+    band = lambda mask: plan.build("fwd", attncc.Variant(mask_mod=mask).analysis, spec).band  # noqa: E731
+    assert band(MASKS["sliding"]) == 7
+    assert band(lambda b, h, q, k: (q >= k) & (q - k < 1024)) == 1024
+    assert band(lambda b, h, q, k: (q - k).abs() <= 200) == 401
+    assert band(lambda b, h, q, k: (k >= q + 90) & (k < q + 100)) == 10
+    for mask in (MASKS["causal"], lambda b, h, q, k: (q >= k) & (q - k < 150 * (h + 1)), MASKS["dilated_causal"],
+                 lambda b, h, q, k: (k < 70) | (q >= k)):
+        assert band(mask) == 0
+    assert plan.build("fwd", attncc.Variant(mask_mod=MASKS["sliding"]).analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90")).band == 0
+
+
 def test_symmetric_window_skips_tiles():
     """abs(q_idx - kv_idx) <= w bounds the tiles like the band it is (it gave no bounds at all, so
     every tile ran with the mask), and the kernels' results stay the reference's, forward and

@@ -106,4 +106,3 @@ PATCHES = {
          "    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n"),
     ],
 }
-

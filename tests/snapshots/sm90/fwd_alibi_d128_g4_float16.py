@@ -223,6 +223,23 @@ def _pass_turn(p: Pipeline, WG: gl.constexpr):
     mbarrier.arrive(p.sched.index((WG + 1) % p.WGS), count=1)  # round robin
 
 
+@gluon.constexpr_function
+def _halvings(n):
+    """How often the columns of an accumulator tile of n columns halve inside each thread: a thread
+    holds columns 8 k + 2 (t % 4) + i, so the bits of k."""
+    return (n // 8).bit_length() - 1
+
+
+@gluon.jit
+def _row_max(x):
+    """Max over axis 1 of an accumulator tile as a tree: the halves a thread holds first (a reshape,
+    no data moves), then Triton's reduction of the last 8 columns (one in-thread step, two shuffles).
+    Triton's own reduction is one chain of dependent max instructions per row (31 at 128 columns)."""
+    for _ in gl.static_range(_halvings(x.shape[1])):
+        x = gl.max(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), axis=1)
+    return gl.max(x, axis=1)
+
+
 @gluon.jit
 def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, cap0_0, cap0_ptr, cap0_size0, cap0_stride0, MASKED: gl.constexpr):
     """From qk = Q K^T of key tile kb to the tile's probabilities, the new m_i, l_i and alpha."""
@@ -237,7 +254,7 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, cap0_0, cap0_ptr, 
         s = gl.where(valid, score_mod * 1.4426950408889634, -float("inf"))
     else:
         s = score_mod * 1.4426950408889634  # score_mod, in log2 units
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_new = gl.maximum(m_i, gl.convert_layout(_row_max(s), m_i.type.layout))
     m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing unmasked yet
     probs = gl.exp2(s - gl.expand_dims(m_safe, 1))
     alpha = gl.exp2(m_i - m_safe)
@@ -440,6 +457,7 @@ BLOCK_SPARSE = False
 CLASS_PER_HEAD = False
 TIER = "gluon"
 PERSISTENT = False  # no mask bounds the key loop: one program per SM walks the tiles
+BAND = 0  # keys each query keeps, where mask_mod keeps a window of constant width (else 0)
 
 
 def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.0, blocks=None):
@@ -448,7 +466,7 @@ def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.
     N_CTX_KV = k.shape[2]
     cap0, = captures
     tiles = cdiv(N_CTX_Q, WGS * 64) * B * H
-    if PERSISTENT:
+    if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:  # a band narrow beside the keys: tiles of equal work too
         tiles = min(tiles, _sm_count(q.device))
     attn_fwd[(tiles, )](
         _descriptor(q, 64), _descriptor(k, 128), _descriptor(v, 128),

@@ -222,6 +222,23 @@ def _pass_turn(p: Pipeline, WG: gl.constexpr):
     mbarrier.arrive(p.sched.index((WG + 1) % p.WGS), count=1)  # round robin
 
 
+@gluon.constexpr_function
+def _halvings(n):
+    """How often the columns of an accumulator tile of n columns halve inside each thread: a thread
+    holds columns 8 k + 2 (t % 4) + i, so the bits of k."""
+    return (n // 8).bit_length() - 1
+
+
+@gluon.jit
+def _row_max(x):
+    """Max over axis 1 of an accumulator tile as a tree: the halves a thread holds first (a reshape,
+    no data moves), then Triton's reduction of the last 8 columns (one in-thread step, two shuffles).
+    Triton's own reduction is one chain of dependent max instructions per row (31 at 128 columns)."""
+    for _ in gl.static_range(_halvings(x.shape[1])):
+        x = gl.max(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), axis=1)
+    return gl.max(x, axis=1)
+
+
 @gluon.jit
 def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, MASKED: gl.constexpr):
     """From qk = Q K^T of key tile kb to the tile's probabilities, the new m_i, l_i and alpha."""
@@ -234,12 +251,20 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, MASKED: gl.constex
         qk = gl.where(valid, qk, -float("inf"))
     # the scale is positive: max(qk * qk_scale) = max(qk) * qk_scale, and p costs one FMA and one exp2
     qk_scale = p.sm_scale * 1.4426950408889634
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.convert_layout(_row_max(qk), m_i.type.layout) * qk_scale)
     m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing unmasked yet
     probs = gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_safe, 1)))
     alpha = gl.exp2(m_i - m_safe)
     l_i = l_i * alpha + gl.sum(probs, axis=1)
     return probs, m_new, l_i, alpha
+
+
+@gluon.jit
+def _bf16_pairs(x):
+    """x rounded to bfloat16 two columns at a time, one cvt.rn.bf16x2.f32 per register of the P V
+    product's A operand (plan.probs_in_pairs: ptxas pairs them the other way round otherwise)."""
+    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                     is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -264,7 +289,7 @@ def _kv_step(p: Pipeline, WG: gl.constexpr, it, g0, turn, kb, o, p_op, alpha, m_
     o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))
     mbarrier.arrive(p.v_empty.index(v_slot), count=1)
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)
+    p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)
     return o, p_op, alpha, m_i, l_i
 
 
@@ -307,7 +332,7 @@ def consumer(p: Pipeline, WG: gl.constexpr):
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         kb = _block(0, hi, full_lo, full_hi, n_hi, n_masked)
         probs, m_i, l_i, alpha = _softmax_step(p, qk, m_i, l_i, kb, b, h, q_idx, True)
-        p_op = gl.convert_layout(probs.to(dtype), p_layout)
+        p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)
         o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
         for it in range(1, n_masked):  # key tiles the mask cuts (and a ragged last one)
@@ -434,6 +459,7 @@ BLOCK_SPARSE = False
 CLASS_PER_HEAD = False
 TIER = "gluon"
 PERSISTENT = False  # no mask bounds the key loop: one program per SM walks the tiles
+BAND = 0  # keys each query keeps, where mask_mod keeps a window of constant width (else 0)
 
 
 def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.0, blocks=None):
@@ -441,7 +467,7 @@ def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.
     B, H, N_CTX_Q = q.shape[:3]
     N_CTX_KV = k.shape[2]
     tiles = cdiv(N_CTX_Q, WGS * 64) * B * H
-    if PERSISTENT:
+    if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:  # a band narrow beside the keys: tiles of equal work too
         tiles = min(tiles, _sm_count(q.device))
     attn_fwd[(tiles, )](
         _descriptor(q, 64), _descriptor(k, 128), _descriptor(v, 128),
