@@ -125,16 +125,23 @@ def bench_ms(fn, warmup, rep, grad_to_none=None):
 
 
 def time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep):
-    """Median ms of the forward alone and of forward + out.backward(grad_out), grads cleared
-    before every call (outside the timed region)."""
+    """Median ms of the forward alone, of the backward alone (torch.autograd.grad through one
+    forward's graph, kept) and of forward + out.backward(grad_out), grads cleared before every
+    call (outside the timed region). The backward is timed on its own rather than as the difference
+    of the other two: a system whose forward alone measures slower than inside a training step
+    (H100, 2026-11-27: FlexAttention's FLASH backend, causal 4x16x4096x128, forward alone 0.78 ms
+    against FA4's 0.48, "backward" 1.11 against FA4's 1.35) had its backward understated."""
     def step():
         fn(q, k, v).backward(grad_out)
     step()  # compile, load, autotune: never timed
     fwd_ms = bench_ms(lambda: fn(q, k, v), warmup, rep)
+    out = fn(q, k, v)
+    bwd_ms = bench_ms(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True), warmup, rep)
+    del out
     fwdbwd_ms = bench_ms(step, warmup, rep, grad_to_none=leaves)
     for t in leaves:
         t.grad = None
-    return fwd_ms, fwdbwd_ms
+    return fwd_ms, bwd_ms, fwdbwd_ms
 
 
 def rel_err(a, b) -> float:
@@ -158,9 +165,8 @@ def flops(B, H, N, D, dens):
     return 4 * B * H * N * N * D * dens
 
 
-def timing_row(system, base, fwd_ms=None, fwdbwd_ms=None, note=None, **extra):
+def timing_row(system, base, fwd_ms=None, bwd_ms=None, fwdbwd_ms=None, note=None, **extra):
     f = flops(base["B"], base["H"], base["N"], base["D"], base["density"])
-    bwd_ms = fwdbwd_ms - fwd_ms if fwd_ms is not None and fwdbwd_ms is not None else None
     return dict(kind="timing", system=system, **base, fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwdbwd_ms=fwdbwd_ms,
                 fwd_tflops=f / fwd_ms / 1e9 if fwd_ms else None,
                 bwd_tflops=2.5 * f / bwd_ms / 1e9 if bwd_ms and bwd_ms > 0 else None,
@@ -209,8 +215,8 @@ def bench_case(case, shape, warmup, rep, systems=SYSTEMS):
             if isinstance(fn, Exception):
                 raise fn
             with backend(system):
-                fwd_ms, fwdbwd_ms = time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep)
-            row = timing_row(system, base, fwd_ms, fwdbwd_ms, note, **(extra if system == "attncc" else {}))
+                fwd_ms, bwd_ms, fwdbwd_ms = time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep)
+            row = timing_row(system, base, fwd_ms, bwd_ms, fwdbwd_ms, note, **(extra if system == "attncc" else {}))
         except Exception as e:
             row = timing_row(system, base, note=f"error: {type(e).__name__}: {str(e)[:200]}")
         rows.append(row)
