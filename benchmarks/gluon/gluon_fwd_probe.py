@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fwd_patches import PATCHES  # noqa: E402 - beside this file
+from fwd_patches import OPTIONAL, PATCHES  # noqa: E402 - beside this file
 from probe_common import apply, plan_edits, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
@@ -58,7 +58,7 @@ def main():
             for patch in patches:
                 text = codegen.render(dataclasses.replace(fwd_plan, **plan_edits(patch)))
                 # the render may have set the flag, and rounds P one way or the other (plan.probs_in_pairs)
-                src = apply(text, patch, PATCHES, optional=("\nPERSISTENT", "    p_op = ", "        p_op = "))
+                src = apply(text, patch, PATCHES, optional=OPTIONAL)
                 path = Path(folder) / f"fwd_{name}_{patch}_d{D}_g{case.gqa}_{N}.py"
                 path.write_text(src)
                 module = runtime.load(path, False, src)
