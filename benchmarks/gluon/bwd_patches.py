@@ -256,14 +256,7 @@ PATCHES["dq-next"] = [
     dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ))
     _dq_hand(p, WG, j, dq)
 """),
-    ("""    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
-    fence_async_shared()
-    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
-    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
-                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
-    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
-""" + _DQ_TAIL, """    fence_async_shared()
+    (_OWN_MEET + _DQ_TAIL, """    fence_async_shared()
     mbarrier.arrive(p.ds_ready.index(j % 2), count=1)  # step j + 1 issues this step's dQ
     dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
     return dk, dv
