@@ -355,6 +355,10 @@ def main(argv=None):
     for knob in ("recompile_limit", "cache_size_limit"):  # as the anchors; each variant is compiled fresh anyway
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 1000)
+    # The backward is timed through one kept graph (time_fwd_bwd); a compiled graph that donates
+    # its saved buffers to the backward refuses retain_graph. Donation saves memory, not time.
+    import torch._functorch.config
+    torch._functorch.config.donated_buffer = False
     env = environment(args)
     print(" ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     path = args.out / (re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-") + ".json")

@@ -285,3 +285,53 @@ PATCHES["dq-next-64"] = [
      PATCHES["dq-next"][2][1]),
     PATCHES["dq-next"][3],
 ]
+
+# Step j + 1's S^T issued as soon as step j's products are in, before step j's dQ goes to shared
+# memory and is handed over: both warp groups, which the dS^T meeting keeps in step, otherwise leave
+# the tensor cores idle from that wait to the next step's first product (dQ's scale, its stores,
+# the fence and arrive, the next slot's waits and S^T's start from -lse2). Past the last step it
+# issues one S^T on a stale slot without waiting for it (drained after the loops).
+_S_ISSUE = """    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    s_tok = warpgroup_mma(k_rows, q_smem.permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+"""
+_S_AHEAD_FN = '''@gluon.jit
+def _issue_s(p: Pipeline, j, n, k_rows, s_layout: gl.constexpr):
+    """S^T of step j (of n), issued at the end of step j - 1."""
+    slot = j % p.STAGES
+    mbarrier.wait(p.q_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+    s_acc = gl.zeros([p.BLOCK_N, p.BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    return warpgroup_mma(k_rows, p.q_smem.index(slot).permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+
+
+@gluon.jit
+def _step('''
+PATCHES["s-ahead"] = [
+    ("@gluon.jit\ndef _step(", _S_AHEAD_FN),
+    ("def _step(p: Pipeline, WG: gl.constexpr, j, m0,", "def _step(p: Pipeline, WG: gl.constexpr, j, n, s_tok, m0,"),
+    (_S_ISSUE, ""),
+    (_WAIT_ALL, _WAIT_ALL + "    s_next = _issue_s(p, j + 1, n, k_rows, s_layout)\n"),
+    (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, s_next")),
+    ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
+     "    mbarrier.wait(p.kv_ready.index(0), 0)\n    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n"),
+    ("        dk, dv = _step(p, WG, j, m0,", "        dk, dv, s_tok = _step(p, WG, j, n_blocks * HEADS, s_tok, m0,"),
+    ("\n    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n",
+     "\n    warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))  # the one issued past the last step\n"
+     "    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n"),
+]
+# ptxas serialises every wgmma of `s-ahead` (a product in flight across the loops' back edges); here
+# step j waits for step j + 1's S^T after handing over its dQ, and step j + 1 starts from it
+_S_WAITED = "    s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))\n"
+PATCHES["s-ahead-wait"] = [edit for edit in PATCHES["s-ahead"] if "the one issued past" not in edit[1]] + [
+    ("    return dk, dv, s_next\n", _S_WAITED + "    return dk, dv, s_next\n"),
+    ("    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n",
+     "    s_tok = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout), ))\n"),
+    ("        qkT, q_idx = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_idx))\n", "        qkT = s_tok\n"),
+    ("        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))\n", "        qkT = s_tok\n"),
+]
