@@ -335,3 +335,108 @@ PATCHES["s-ahead-wait"] = [edit for edit in PATCHES["s-ahead"] if "the one issue
     ("        qkT, q_idx = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_idx))\n", "        qkT = s_tok\n"),
     ("        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))\n", "        qkT = s_tok\n"),
 ]
+
+# Each step's whole dQ (64 queries x the head dim, N = 128) by one warp group, warp group j % 2:
+# it alone waits for both dS^T; the other goes on to the next step, where it is the one that waits,
+# so the two drift half a step apart (one's softmax under the other's dQ product) and the dQ
+# product reads 48 KB of shared memory instead of twice 32. Each warp group's dQ buffer holds a
+# whole tile (both halves of dq_acc's block pair, adjacent); shared memory 198 -> 230 KB.
+# Head dim 128 (dQ split by columns) only.
+PATCHES["dq-alt"] = [
+    ("""    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
+    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+""", """    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    if j % 2 != WG:  # the other warp group's turn for this step's dQ
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        return dk, dv
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem, gl.zeros([BLOCK_M, p.HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+"""),
+    ("    DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128  # columns of this warp group's dQ (64 rows)\n",
+     "    DQ_N: gl.constexpr = p.HEAD_DIM  # the whole dQ tile, every other step\n"),
+    ("    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer\n",
+     "    mbarrier.wait(p.dq_bars.index(2 + WG), ((j // 2) & 1) ^ 1)  # its previous add has read the buffer\n"),
+    ("    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M * HEAD_DIM // 128, 16])",
+     "    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])"),
+    ("""    for wg in gl.static_range(2):
+        mbarrier.wait(p.dq_bars.index(wg), i & 1)
+        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))
+    tma.store_wait(pendings=0)
+    for wg in gl.static_range(2):
+        mbarrier.arrive(p.dq_bars.index(2 + wg), count=1)
+""", """    mbarrier.wait(p.dq_bars.index(i % 2), (i // 2) & 1)
+    for half in gl.static_range(2):
+        _tma_add(p.dq_desc, [(block + half) * (DQ_N // 4), 0], p.dq_smem.index(i % 2).slice(half * (DQ_N // 4), DQ_N // 4))
+    tma.store_wait(pendings=0)
+    mbarrier.arrive(p.dq_bars.index(2 + i % 2), count=1)
+"""),
+    ("gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 512, 256], dq_layout)",
+     "gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 256, 256], dq_layout)"),
+]
+# ptxas serialises every wgmma of `dq-alt` (the products issued before the branch on j % 2 are
+# waited for inside it); `dq-alt2` makes the turn a constexpr: two steps a loop turn, with a step
+# before the loop for an odd start and one after it for an odd count
+_DQ_ALT_LOOPS = '''@gluon.jit
+def _run(p: Pipeline, WG: gl.constexpr, j, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows,
+         v_rows, s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr,
+         DQ: gl.constexpr):
+    m0 = _q_block(j // p.HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * p.BLOCK_M
+    return _step(p, WG, j, m0, b, h0 + j % p.HEADS, dk, dv, kv_idx, k_rows, v_rows, s_layout, op_layout, dq_layout,
+                 MASKED, DQ)
+
+
+@gluon.jit
+def _steps(p: Pipeline, WG: gl.constexpr, lo, end, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx,
+           k_rows, v_rows, s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
+           MASKED: gl.constexpr):
+    """Steps [lo, end); step j's dQ is warp group j % 2's."""
+    lo = end * 0 + lo  # a run-time value (the first call's lo is the constant 0)
+    if (lo % 2 == 1) & (lo < end):
+        dk, dv = _run(p, WG, lo, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 1)
+        lo += 1
+    for j in range(lo, end - 1, 2):
+        dk, dv = _run(p, WG, j, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 0)
+        dk, dv = _run(p, WG, j + 1, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 1)
+    if (end - lo) % 2 == 1:
+        dk, dv = _run(p, WG, end - 1, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 0)
+    return dk, dv
+
+
+@gluon.jit
+def consumer('''
+PATCHES["dq-alt2"] = [
+    (old, new.replace("""    if j % 2 != WG:  # the other warp group's turn for this step's dQ
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        return dk, dv
+    mbarrier.wait""", """    if not DQ:  # the other warp group's turn for this step's dQ
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        return dk, dv
+    mbarrier.wait""")) for old, new in PATCHES["dq-alt"]] + [
+    ("dq_layout: gl.constexpr, MASKED: gl.constexpr):\n", "dq_layout: gl.constexpr, MASKED: gl.constexpr, DQ: gl.constexpr):\n"),
+    ("@gluon.jit\ndef consumer(", _DQ_ALT_LOOPS),
+    ("""    for j in range(0, n_masked * HEADS):  # query tiles the mask cuts (and a ragged last one), with the mask
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, True)
+    for j in range(n_masked * HEADS, n_blocks * HEADS):  # query tiles the K/V tile keeps in full: no mask code
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, False)
+""", """    dk, dv = _steps(p, WG, 0, n_masked * HEADS, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx,
+                    k_rows, v_rows, s_layout, op_layout, dq_layout, True)
+    dk, dv = _steps(p, WG, n_masked * HEADS, n_blocks * HEADS, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv,
+                    kv_idx, k_rows, v_rows, s_layout, op_layout, dq_layout, False)
+"""),
+]
