@@ -110,7 +110,8 @@ def latency_table(rows):
 # ---------------------------------------------------------------- chart
 
 def plot(rows, path: Path):
-    """Grouped bars, one panel per shape: attncc's fwd and fwd+bwd speedup over FlexAttention."""
+    """Grouped bars, one panel per shape: attncc's forward and backward speed relative to the
+    fastest peer that ran the cell (add_speedups' peer_best_*; > 1: attncc is faster)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -119,27 +120,29 @@ def plot(rows, path: Path):
     except ImportError:
         print(f"matplotlib is not installed: no chart ({path.name} not written)")
         return
-    att = [r for r in rows if r["kind"] == "timing" and r["system"] == "attncc" and r.get("speedup_vs_flex_fwd")]
+    att = [r for r in rows if r["kind"] == "timing" and r["system"] == "attncc" and r.get("speedup_vs_peer_fwd")]
     shapes = list(dict.fromkeys(row_shape(r) for r in att))
     if not shapes:
-        print(f"no attncc/flex pair measured: no chart ({path.name} not written)")
+        print(f"no attncc/peer pair measured: no chart ({path.name} not written)")
         return
     fig, axes = plt.subplots(len(shapes), 1, figsize=(11, 3.2 * len(shapes)), squeeze=False)
     for ax, shape in zip(axes[:, 0], shapes):
         rs = [r for r in att if row_shape(r) == shape]
         x = range(len(rs))
-        for dx, part, label in ((-0.2, "fwd", "fwd"), (0.2, "fwdbwd", "fwd+bwd")):
-            bars = ax.bar([i + dx for i in x], [r.get(f"speedup_vs_flex_{part}") or float("nan") for r in rs],
-                          0.4, label=label)
+        for dx, part in ((-0.2, "fwd"), (0.2, "bwd")):
+            bars = ax.bar([i + dx for i in x], [r.get(f"speedup_vs_peer_{part}") or float("nan") for r in rs],
+                          0.4, label=part)
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log", base=2)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.3g}×"))
-        ax.set_xticks(list(x), [r["variant"] for r in rs], rotation=20, ha="right", fontsize=8)
+        ticks = [f"{r['variant']}\n({r['peer_best_fwd']} / {r['peer_best_bwd']})" for r in rs]
+        ax.set_xticks(list(x), ticks, rotation=0, fontsize=7)
         ax.set_title(f"B×H×N×D = {shape}", fontsize=10)
-        ax.set_ylabel("attncc speedup over flex")
+        ax.set_ylabel("attncc / fastest peer")
     axes[0, 0].legend()
-    fig.suptitle(f"attncc vs torch.compile(flex_attention), {att[0]['dtype']}, {att[0]['gpu']}")
+    fig.suptitle(f"attncc against the fastest of {', '.join(STRONGEST)} per cell "
+                 f"(else {' / '.join(FALLBACK)}), {att[0]['dtype']}, {att[0]['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
