@@ -455,3 +455,16 @@ PATCHES["no-fold-early"] = PATCHES["no-fold"] + [
         pT = gl.exp2(sT - gl.expand_dims(lse2, 0))""", """    else:
         pT = gl.exp2(sT - gl.expand_dims(lse2_early, 0))"""),
 ]
+
+# One `ready` barrier a slot for Q, dO and their row statistics (three arrivals: the TMA's expect
+# of both tiles, lse's and Delta's stores) instead of two: a wait fewer a step, and with it a
+# warp-group bar.sync fewer (Gluon 3.6 puts one before every mbarrier wait and arrive:
+# benchmarks/gluon/arrive_sync.py); dP^T issues right behind S^T.
+PATCHES["one-ready"] = [
+    ("        mbarrier.init(q_ready.index(i), count=2)  # the TMA's expect and the row statistics' arrive\n",
+     "        mbarrier.init(q_ready.index(i), count=3)  # the TMA's expect and both row statistics' arrives\n"),
+    ("        mbarrier.expect(bar, p.q_desc.block_type.nbytes)\n",
+     "        mbarrier.expect(bar, p.q_desc.block_type.nbytes + p.do_desc.block_type.nbytes)\n"),
+    ("        bar = p.do_ready.index(slot)\n        mbarrier.expect(bar, p.do_desc.block_type.nbytes)\n", ""),
+    ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
+]
