@@ -468,3 +468,74 @@ PATCHES["one-ready"] = [
     ("        bar = p.do_ready.index(slot)\n        mbarrier.expect(bar, p.do_desc.block_type.nbytes)\n", ""),
     ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
 ]
+
+# The whole tiles' dP^T from zero with Delta subtracted after its wait, as the masked steps do:
+# ncu's stall sampling (full 4x16x4096x128, H100) put 11 % of a consumer loop's samples on the
+# FADDs that start dP^T from -Delta, waiting for Delta's LDS (short scoreboard: shared memory busy
+# with the other warp group's operand reads) while no product of the step is issued yet, and 4.6 %
+# on the FFMAs that start S^T from -lse2. With `-s`, S^T too (lse2 read after S^T is issued).
+PATCHES["dp-late"] = [
+    ("    if MASKED:  # Delta is subtracted below", "    if True:  # Delta is subtracted below"),
+    ("    if MASKED:\n        dpT = dpT - gl.expand_dims(p.delta_smem", "    if True:\n        dpT = dpT - gl.expand_dims(p.delta_smem"),
+]
+PATCHES["dp-late-s"] = PATCHES["dp-late"] + PATCHES["no-fold-early"]
+
+# The next step's row statistics read from shared memory at the end of this step (after its
+# products are in, under dQ's scale, store and hand-over) and carried into it in registers, so that
+# S^T and dP^T start without waiting for an LDS (ncu: 11 % + 4.6 % of a consumer loop's stall
+# samples there, `dp-late` above). Past the last step the reads hit a stale slot, not waited for.
+_ROWS_FN = '''@gluon.jit
+def _rows(p: Pipeline, j, n, s_layout: gl.constexpr):
+    """Step j's (of n) S^T start (-lse2 / (sm_scale log2 e); FOLD_LSE) and Delta, once its slot landed."""
+    slot = j % p.STAGES
+    mbarrier.wait(p.q_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+    mbarrier.wait(p.do_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+    s_start = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * p.lse_to_acc
+    return s_start, p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+
+
+@gluon.jit
+def _step('''
+PATCHES["rows-ahead"] = [
+    ("@gluon.jit\ndef _step(", _ROWS_FN),
+    ("def _step(p: Pipeline, WG: gl.constexpr, j, m0,", "def _step(p: Pipeline, WG: gl.constexpr, j, n, s_start, delta, m0,"),
+    ("""    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+""", """    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        s_acc += gl.expand_dims(s_start, 0)
+"""),
+    ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
+    ("""        delta = p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        dp_acc = gl.zeros""", """        dp_acc = gl.zeros"""),
+    ("        dpT = dpT - gl.expand_dims(p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout)), 0)\n",
+     "        dpT = dpT - gl.expand_dims(delta, 0)\n"),
+    (_WAIT_ALL, _WAIT_ALL + "    s_next, delta_next = _rows(p, j + 1, n, s_layout)\n"),
+    (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, s_next, delta_next")),
+    ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
+     "    mbarrier.wait(p.kv_ready.index(0), 0)\n    s_start, delta = _rows(p, 0, n_blocks * HEADS, s_layout)\n"),
+    ("        dk, dv = _step(p, WG, j, m0,", "        dk, dv, s_start, delta = _step(p, WG, j, n_blocks * HEADS, s_start, delta, m0,"),
+]
+# Delta alone carried (S^T still starts from lse2 read at the step's start): half the registers
+PATCHES["delta-ahead"] = [
+    ("@gluon.jit\ndef _step(", _ROWS_FN.replace(
+        '''    s_start = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * p.lse_to_acc
+    return s_start, p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))''',
+        '''    return p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))''').replace(
+        '''    mbarrier.wait(p.q_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+''', "").replace("S^T start (-lse2 / (sm_scale log2 e); FOLD_LSE) and Delta", "Delta")),
+    ("def _step(p: Pipeline, WG: gl.constexpr, j, m0,", "def _step(p: Pipeline, WG: gl.constexpr, j, n, delta, m0,"),
+    ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
+    ("""        delta = p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        dp_acc = gl.zeros""", """        dp_acc = gl.zeros"""),
+    ("        dpT = dpT - gl.expand_dims(p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout)), 0)\n",
+     "        dpT = dpT - gl.expand_dims(delta, 0)\n"),
+    (_WAIT_ALL, _WAIT_ALL + "    delta_next = _rows(p, j + 1, n, s_layout)\n"),
+    (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, delta_next")),
+    ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
+     "    mbarrier.wait(p.kv_ready.index(0), 0)\n    delta = _rows(p, 0, n_blocks * HEADS, s_layout)\n"),
+    ("        dk, dv = _step(p, WG, j, m0,", "        dk, dv, delta = _step(p, WG, j, n_blocks * HEADS, delta, m0,"),
+]
