@@ -4,7 +4,7 @@ each patched kernel against the unpatched one and the Triton tier's backward (do
 bf16). Patched kernels compute wrong gradients where a patch drops work: they are timings only.
 
     python benchmarks/gluon/gluon_bwd_probe.py [--shapes BxHxNxD,...] [--only full,causal]
-        [--patches base,dq-scale-late] [--rep MS] [--rounds R]
+        [--patches base,dq-scale-late] [--peer fa4] [--rep MS] [--rounds R]
 """
 import argparse
 import dataclasses
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bwd_patches import PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, plan_edits, print_table, time_cell  # noqa: E402
+from probe_common import apply, peer_fn, plan_edits, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 
@@ -43,6 +43,7 @@ def main():
     p.add_argument("--shapes", default="4x16x4096x128,1x16x16384x128")
     p.add_argument("--only", default="full,causal")
     p.add_argument("--patches", default=",".join(PATCHES))
+    p.add_argument("--peer", default="", help="also time one of bench.py's systems in turn (fa4, flex-flash)")
     p.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
     p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times "
                    "and keep each one's median (the H100's clock moves with its power draw)")
@@ -79,9 +80,16 @@ def main():
                 # the largest error of dq, dk, dv against the Triton tier's, relative to its largest gradient
                 errs = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(grads, want)]
                 errors[patch] = float("nan") if any(e != e for e in errs) else max(errs)
+            peer = peer_fn(args.peer, case, N) if args.peer else None
+            if peer is not None:
+                qp, kp, vp = (x.detach().requires_grad_() for x in (q, k, v))
+                op = peer(qp, kp, vp)
+                fns[args.peer] = lambda o=op, ls=(qp, kp, vp): torch.autograd.grad(o, ls, do, retain_graph=True)  # noqa: E731
+                errors[args.peer] = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                                        for g, w in zip(fns[args.peer](), want))
             tri, times = time_cell(f"{name} {shape}", fns, errors, args.rounds, args.rep)
             rows.append((name, "x".join(map(str, shape)), tri, times, errors))
-    print_table(rows, args.patches.split(","), "backward", [
+    print_table(rows, args.patches.split(",") + ([args.peer] if args.peer else []), "backward", [
         "Each patch: ms (the largest error of its dq, dk, dv against the Triton tier's, relative; NaN",
         "where it left a gradient unwritten). Patches that drop work are timings only.\n"])
 

@@ -4,7 +4,7 @@ unpatched one and the Triton tier's forward in one process (do_bench medians, bf
 largest error of each output against the Triton tier's.
 
     python benchmarks/gluon/gluon_fwd_probe.py [--shapes BxHxNxD,...] [--only full,causal] [--patches base,rescale-early]
-        [--rep MS] [--rounds R]
+        [--peer fa4] [--rep MS] [--rounds R]
 
 The kernel is what the plan renders for the variant (three consumer warp groups where
 plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md).
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwd_patches import OPTIONAL, PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, plan_edits, print_table, time_cell  # noqa: E402
+from probe_common import apply, peer_fn, plan_edits, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 def main():
@@ -28,6 +28,7 @@ def main():
     p.add_argument("--shapes", default="4x32x4096x64,1x32x16384x64")
     p.add_argument("--only", default="full,causal,sliding_window_1024")
     p.add_argument("--patches", default="base")
+    p.add_argument("--peer", default="", help="also time one of bench.py's systems in turn (fa4, flex-flash)")
     p.add_argument("--rep", type=int, default=200, help="do_bench time per measurement, ms")
     p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times "
                    "and keep each one's median (the H100's clock moves with its power draw)")
@@ -68,9 +69,14 @@ def main():
                 fn()
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 errors[patch] = float("nan") if err != err else err
+            peer = peer_fn(args.peer, case, N) if args.peer else None
+            if peer is not None:
+                fns[args.peer] = lambda f=peer: f(q, k, v)  # noqa: E731
+                out = fns[args.peer]()
+                errors[args.peer] = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
             tri, times = time_cell(f"{name} {shape}", fns, errors, args.rounds, args.rep)
             rows.append((name, "x".join(map(str, shape)), tri, times, errors))
-    print_table(rows, patches, "forward")
+    print_table(rows, patches + ([args.peer] if args.peer else []), "forward")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,17 @@ def apply(text, patch, table, optional=()):
     return text
 
 
+def peer_fn(system, case, N):
+    """fn(q, k, v) of one of bench.py's systems (fa4, flex-flash, ...) for the case, or None where
+    it cannot express it: timed in turn with the patched kernels, so that a patch's effect reads
+    against the peer it must beat, not against a separate run's figure (the same cell moved by up
+    to 9 % between bench runs an hour apart on one H100)."""
+    import bench
+    import torch._functorch.config
+    torch._functorch.config.donated_buffer = False  # its backward is timed through a kept graph
+    return bench.build(system, case, N)
+
+
 def time_cell(label, fns, errors, rounds, rep):
     """Medians of do_bench over `rounds` turns of every kernel of a cell (fns["triton"] is the
     baseline; the H100's clock moves with its power draw, so the kernels are timed in turn), printed
@@ -51,5 +62,7 @@ def print_table(rows, patches, what, notes=()):
         print(line)
     print("| variant | shape | triton tier | " + " | ".join(patches) + " |")
     print("|---|---|--:|" + "--:|" * len(patches))
+    nan = float("nan")  # a peer that cannot express the cell
     for name, shape, tri, times, errors in rows:
-        print(f"| {name} | {shape} | {tri:.3f} | " + " | ".join(f"{times[p]:.3f} ({errors[p]:.0e})" for p in patches) + " |")
+        print(f"| {name} | {shape} | {tri:.3f} | "
+              + " | ".join(f"{times.get(p, nan):.3f} ({errors.get(p, nan):.0e})" for p in patches) + " |")
