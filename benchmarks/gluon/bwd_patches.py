@@ -286,6 +286,15 @@ PATCHES["dq-next-64"] = [
     PATCHES["dq-next"][3],
 ]
 
+
+def _calls(new_head):
+    """Edits of the consumer's two _step calls (the masked loop's and the whole tiles'), each once:
+    `dk, dv = _step(p, WG, j, m0,` becomes new_head."""
+    return [(f"""        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, {masked})""",
+             f"""{new_head} b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, {masked})""") for masked in ("True", "False")]
+
 # Step j + 1's S^T issued as soon as step j's products are in, before step j's dQ goes to shared
 # memory and is handed over: both warp groups, which the dS^T meeting keeps in step, otherwise leave
 # the tensor cores idle from that wait to the next step's first product (dQ's scale, its stores,
@@ -320,7 +329,7 @@ PATCHES["s-ahead"] = [
     (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, s_next")),
     ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
      "    mbarrier.wait(p.kv_ready.index(0), 0)\n    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n"),
-    ("        dk, dv = _step(p, WG, j, m0,", "        dk, dv, s_tok = _step(p, WG, j, n_blocks * HEADS, s_tok, m0,"),
+    *_calls("        dk, dv, s_tok = _step(p, WG, j, n_blocks * HEADS, s_tok, m0,"),
     ("\n    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n",
      "\n    warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))  # the one issued past the last step\n"
      "    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n"),
@@ -328,10 +337,11 @@ PATCHES["s-ahead"] = [
 # ptxas serialises every wgmma of `s-ahead` (a product in flight across the loops' back edges); here
 # step j waits for step j + 1's S^T after handing over its dQ, and step j + 1 starts from it
 _S_WAITED = "    s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))\n"
-PATCHES["s-ahead-wait"] = [edit for edit in PATCHES["s-ahead"] if "the one issued past" not in edit[1]] + [
-    ("    return dk, dv, s_next\n", _S_WAITED + "    return dk, dv, s_next\n"),
-    ("    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n",
-     "    s_tok = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout), ))\n"),
+PATCHES["s-ahead-wait"] = [
+    (old, new.replace("    return dk, dv, s_next\n", _S_WAITED + "    return dk, dv, s_next\n").replace(
+        "    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n",
+        "    s_tok = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout), ))\n"))
+    for old, new in PATCHES["s-ahead"] if "the one issued past" not in new] + [
     ("        qkT, q_idx = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_idx))\n", "        qkT = s_tok\n"),
     ("        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))\n", "        qkT = s_tok\n"),
 ]
@@ -517,7 +527,7 @@ PATCHES["rows-ahead"] = [
     (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, s_next, delta_next")),
     ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
      "    mbarrier.wait(p.kv_ready.index(0), 0)\n    s_start, delta = _rows(p, 0, n_blocks * HEADS, s_layout)\n"),
-    ("        dk, dv = _step(p, WG, j, m0,", "        dk, dv, s_start, delta = _step(p, WG, j, n_blocks * HEADS, s_start, delta, m0,"),
+    *_calls("        dk, dv, s_start, delta = _step(p, WG, j, n_blocks * HEADS, s_start, delta, m0,"),
 ]
 # Delta alone carried (S^T still starts from lse2 read at the step's start): half the registers
 PATCHES["delta-ahead"] = [
@@ -537,5 +547,5 @@ PATCHES["delta-ahead"] = [
     (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, delta_next")),
     ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
      "    mbarrier.wait(p.kv_ready.index(0), 0)\n    delta = _rows(p, 0, n_blocks * HEADS, s_layout)\n"),
-    ("        dk, dv = _step(p, WG, j, m0,", "        dk, dv, delta = _step(p, WG, j, n_blocks * HEADS, delta, m0,"),
+    *_calls("        dk, dv, delta = _step(p, WG, j, n_blocks * HEADS, delta, m0,"),
 ]
