@@ -295,6 +295,7 @@ def _calls(new_head):
              f"""{new_head} b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
                        s_layout, op_layout, dq_layout, {masked})""") for masked in ("True", "False")]
 
+
 # Step j + 1's S^T issued as soon as step j's products are in, before step j's dQ goes to shared
 # memory and is handed over: both warp groups, which the dS^T meeting keeps in step, otherwise leave
 # the tensor cores idle from that wait to the next step's first product (dQ's scale, its stores,
