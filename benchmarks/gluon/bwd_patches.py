@@ -495,6 +495,8 @@ PATCHES["dp-late-s"] = PATCHES["dp-late"] + PATCHES["no-fold-early"]
 # products are in, under dQ's scale, store and hand-over) and carried into it in registers, so that
 # S^T and dP^T start without waiting for an LDS (ncu: 11 % + 4.6 % of a consumer loop's stall
 # samples there, `dp-late` above). Past the last step the reads hit a stale slot, not waited for.
+# Masked steps, which subtract Delta after dP^T, read it there as before: the carried copy, kept
+# through their softmax and mask code, made ptxas spill in their loop.
 _ROWS_FN = '''@gluon.jit
 def _rows(p: Pipeline, j, n, s_layout: gl.constexpr):
     """Step j's (of n) S^T start (-lse2 / (sm_scale log2 e); FOLD_LSE) and Delta, once its slot landed."""
@@ -522,8 +524,6 @@ PATCHES["rows-ahead"] = [
     ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
     ("""        delta = p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
         dp_acc = gl.zeros""", """        dp_acc = gl.zeros"""),
-    ("        dpT = dpT - gl.expand_dims(p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout)), 0)\n",
-     "        dpT = dpT - gl.expand_dims(delta, 0)\n"),
     (_WAIT_ALL, _WAIT_ALL + "    s_next, delta_next = _rows(p, j + 1, n, s_layout)\n"),
     (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, s_next, delta_next")),
     ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
