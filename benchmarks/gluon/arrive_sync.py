@@ -16,17 +16,18 @@ benchmarks/gluon/NOTES.md). Two such hand-overs a step are four warp-group barri
 backward's loop; ncu puts attncc's largest stall share at CTA barriers where FA4's is at shared-
 memory scoreboards."""
 import argparse
+import os
 import re
+import sys
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
-from triton.runtime.jit import create_function_from_signature
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compile_sm90 import compile_cpu  # noqa: E402
 
 
 @gluon.jit
@@ -52,13 +53,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", type=int, default=1)
     args = parser.parse_args()
-    backend = make_backend(GPUTarget("cuda", 90, 128))
-    call, kwargs = [torch.zeros(32, 16), 10], dict(STORE=bool(args.store), num_warps=4)
-    bound, spec, options = create_function_from_signature(hand_over.signature, hand_over.params, backend)(*call, **kwargs)
-    options, signature, constexprs, attrs = hand_over._pack_args(backend, kwargs, bound, spec, options)
-    compiled = triton.compile(GluonASTSource(hand_over, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 128),
-                              options=options.__dict__)
-    ptx = compiled.asm["ptx"]
+    ptx = compile_cpu(hand_over, [torch.zeros(32, 16), 10], dict(STORE=bool(args.store), num_warps=4)).asm["ptx"]
     start = ptx.rindex("$L__BB0_", 0, ptx.index("mbarrier.try_wait"))  # the loop's label
     wanted = ("bar.sync", "mbarrier.try_wait", "mbarrier.arrive", "fence.proxy", "st.shared", "bra ")
     lines = [line.strip() for line in ptx[start:].splitlines()[1:] if any(w in line for w in wanted)]

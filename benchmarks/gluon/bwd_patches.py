@@ -354,14 +354,7 @@ PATCHES["s-ahead-wait"] = [
 # whole tile (both halves of dq_acc's block pair, adjacent); shared memory 198 -> 230 KB.
 # Head dim 128 (dQ split by columns) only.
 PATCHES["dq-alt"] = [
-    ("""    # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
-    fence_async_shared()
-    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
-    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
-                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
-    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
-""", """    fence_async_shared()
+    (_OWN_MEET, """    fence_async_shared()
     mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
     if j % 2 != WG:  # the other warp group's turn for this step's dQ
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
