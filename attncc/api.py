@@ -228,8 +228,8 @@ class CompiledAttention:
         for d in (128, 64):
             tier, why = tiers.choose(v, "cuda-sm90", "bfloat16", d, d, v.dropout_p > 0)
             line = f"  forward, sm90, bfloat16, head dim {d}: {tier} ({why})"
-            if tier == "triton" and tiers.GLUON_PAYS.get(d) and config.tier() == "auto":
-                longer = tiers.GLUON_PAYS[d]
+            if tier == "triton" and tiers.gluon_pays(v, d) and config.tier() == "auto":
+                longer = tiers.gluon_pays(v, d)
                 tier, why = tiers.choose(v, "cuda-sm90", "bfloat16", d, d, v.dropout_p > 0, length=longer)
                 line += f"; from {longer} queries and keys: {tier}" + (f" ({why})" if tier == "gluon" else "")
             lines.append(line)

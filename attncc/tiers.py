@@ -29,6 +29,18 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 #        1.38 / 1.31; at 4x32x4096 it loses (causal 0.74 / 0.75, GQA 0.71 / 0.75, prefix-LM
 #        0.73 / 0.77): at 4k a program of 192 query rows has too few key tiles to amortise its start
 GLUON_PAYS = {128: 0, 64: 8192}
+# ... and where no mask cuts the keys (every query tile runs all key tiles: twice a causal tile's
+# work at one length), head dim -> the shortest length (H100, 2026-11-28, benchmarks/tier_ab.py
+# twice, Triton / Gluon ms, full attention at head dim 64): 16x32x1024 0.333 / 0.346, 8x32x2048
+# 0.644 / 0.594, 4x32x4096 1.265 / 1.148, 2x32x8192 2.464 / 2.156
+GLUON_PAYS_UNMASKED = {64: 2048}
+
+
+def gluon_pays(variant, d: int) -> int:
+    """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d."""
+    if variant.analysis.facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
+        return GLUON_PAYS_UNMASKED[d]
+    return GLUON_PAYS.get(d, 0)
 # Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
 # the shortest K/V length.
@@ -109,12 +121,12 @@ def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, ten
             if not _addressable(t) or t.shape[2] == 0:
                 return "triton", ("a tensor TMA cannot address (unit head-dim stride, 16-byte aligned strides, "
                                   "no empty length)")
-        shortest = GLUON_PAYS.get(d, 0) if want == "auto" else 0
+        shortest = gluon_pays(variant, d) if want == "auto" else 0
         if tensors:
             length = min(tensors[0].shape[2], tensors[1].shape[2])
         if shortest and (length is None or length < shortest):
             return "triton", (f"head dim {d}, {'an unknown length' if length is None else f'{length} queries or keys'} "
-                              f"(< {shortest}): the Gluon forward measured slower (tiers.GLUON_PAYS)")
+                              f"(< {shortest}): the Gluon forward measured slower (tiers.gluon_pays)")
     return chosen
 
 

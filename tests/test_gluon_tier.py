@@ -72,6 +72,12 @@ def test_tier_choice(monkeypatch):
     for tensors in [(long, short, short), (short, long, long)]:
         tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, tensors)
         assert tier == "triton" and "8191 queries or keys (< 8192)" in reason, reason
+    # ... and from 2048 where no mask cuts the keys (every query tile runs all key tiles)
+    full = attncc.Variant()
+    assert tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2048)[0] == "gluon"
+    tier, reason = tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2047)
+    assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=4096)[0] == "triton"
     for name in ("alibi", "sliding_window", "softcap"):
         tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=16384)
         assert tier == "triton" and "three consumer warp groups" in reason, (name, reason)

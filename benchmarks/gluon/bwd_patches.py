@@ -543,3 +543,43 @@ PATCHES["delta-ahead"] = [
      "    mbarrier.wait(p.kv_ready.index(0), 0)\n    delta = _rows(p, 0, n_blocks * HEADS, s_layout)\n"),
     *_calls("        dk, dv, delta = _step(p, WG, j, n_blocks * HEADS, delta, m0,"),
 ]
+
+# Each warp group arrives on a dS^T barrier of its own and waits on the other's: Triton's membar puts
+# a warp-group BAR.SYNC between an arrive and a wait on one allocation, which the meeting had right
+# after the arrive's own sync (four BAR.SYNC a step in the SASS, three with this)
+PATCHES["ds-split"] = [
+    ("    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n",
+     "    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n"
+     "    ds_ready1: gl.shared_memory_descriptor\n"),
+    ("kv_ready, q_ready, do_ready, ds_ready, dq_smem, dq_bars,", "kv_ready, q_ready, do_ready, ds_ready, ds_ready1, dq_smem, dq_bars,"),
+    ("        self.ds_ready = ds_ready\n", "        self.ds_ready = ds_ready\n        self.ds_ready1 = ds_ready1\n"),
+    ("    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n",
+     "    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"
+     "    ds_ready1 = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"),
+    ("        mbarrier.init(ds_ready.index(i), count=2)\n",
+     "        mbarrier.init(ds_ready.index(i), count=1)\n        mbarrier.init(ds_ready1.index(i), count=1)\n"),
+    ("                 kv_ready, q_ready, do_ready, ds_ready,\n", "                 kv_ready, q_ready, do_ready, ds_ready, ds_ready1,\n"),
+    ("""    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+""", """    if WG == 0:
+        mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+        mbarrier.wait(p.ds_ready1.index(j % 2), (j // 2) & 1)
+    else:
+        mbarrier.arrive(p.ds_ready1.index(j % 2), count=1)
+        mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+"""),
+]
+# ... and the arrive as an explicit warp-group barrier (the stores and fence of all its threads are
+# in) and an expect of 0 bytes, which membar does not count as a write to wait behind
+PATCHES["ds-split-expect"] = PATCHES["ds-split"][:-1] + [(PATCHES["ds-split"][-1][0], """    _cta_barrier()
+    if WG == 0:
+        mbarrier.expect(p.ds_ready.index(j % 2), 0)
+        mbarrier.wait(p.ds_ready1.index(j % 2), (j // 2) & 1)
+    else:
+        mbarrier.expect(p.ds_ready1.index(j % 2), 0)
+        mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+""")]
+# ... and the dQ hand-over the same way: no arrive left in the step for membar to sync behind
+PATCHES["sync-expect"] = PATCHES["ds-split-expect"] + [
+    ("    fence_async_shared()\n    mbarrier.arrive(p.dq_bars.index(WG), count=1)\n",
+     "    fence_async_shared()\n    _cta_barrier()\n    mbarrier.expect(p.dq_bars.index(WG), 0)\n")]

@@ -44,6 +44,20 @@ def _exp2_mix(x):
 # name -> [(old text, new text)] applied to the rendered source
 _PAIRS = ('gl.convert_layout(gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [probs], '
           'dtype=gl.bfloat16, is_pure=True, pack=2), p_layout)')
+PATCHES_ARRIVE_FREE = [
+    ("    mbarrier.arrive(p.sched.index((WG + 1) % p.WGS), count=1)  # round robin",
+     "    mbarrier.expect(p.sched.index((WG + 1) % p.WGS), 0)  # round robin"),
+    ("    mbarrier.arrive(p.k_empty.index(k_slot), count=1)\n    probs",
+     "    mbarrier.expect(p.k_empty.index(k_slot), 0)\n    probs"),
+    ("    mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n    o = o",
+     "    mbarrier.expect(p.v_empty.index(v_slot), 0)\n    o = o"),
+    ("        mbarrier.arrive(p.k_empty.index(k_slot), count=1)\n        m_i",
+     "        mbarrier.expect(p.k_empty.index(k_slot), 0)\n        m_i"),
+    ("        mbarrier.arrive(p.q_empty.index(WG), count=1)",
+     "        mbarrier.expect(p.q_empty.index(WG), 0)"),
+    ("        mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n\n",
+     "        mbarrier.expect(p.v_empty.index(v_slot), 0)\n\n"),
+]
 PATCHES = {
     "base": [],
     # P rounded to bf16 a pair of columns at a time (one cvt.rn.bf16x2 a register of the P V product's
@@ -89,6 +103,54 @@ PATCHES = {
                                   is_pure=False, pack=1)
     g0 = 0  # ring position of the tile's first key tile
 """),
+    ],
+    # Gluon 3.6's mbarrier.arrive syncs the warp group (a BAR.SYNC) before one thread arrives; its
+    # expect (arrive.expect_tx) with 0 bytes arrives from the same thread without it. Where the arrive
+    # follows a wgmma wait (K, V and Q released, the GEMM turn passed) no sync is needed: CUTLASS's
+    # consumer_release (FA3) signals from one thread of the warp group. ncu (full 4x16x4096x128, H100):
+    # 8.2 % of a consumer loop's stall samples at the arrives' barriers, FA4's loop 1.1 %
+    "arrive-free": PATCHES_ARRIVE_FREE,
+    # arrive-free with each warp group's turn barrier its own allocation, passed to it by
+    # warp_specialize (the one it waits on, the one it passes the turn with): Triton's membar puts a
+    # warp-group BAR.SYNC between a wait and an arrive on the same allocation (sched.index(w) and
+    # sched.index(w + 1) are one), which kept the sync before the turn's hand-over (7 % of a loop's
+    # stall samples on the H100) and at the loop's top. Two consumer warp groups only (head dim 128)
+    "arrive-free-split": [
+        ("def _take_turn(p: Pipeline, WG: gl.constexpr, turn):", "def _take_turn(mine, WG: gl.constexpr, turn):"),
+        ("        mbarrier.wait(p.sched.index(0), (turn & 1) ^ 1)", "        mbarrier.wait(mine, (turn & 1) ^ 1)"),
+        ("        mbarrier.wait(p.sched.index(WG), turn & 1)", "        mbarrier.wait(mine, turn & 1)"),
+        ("def _pass_turn(p: Pipeline, WG: gl.constexpr):\n    mbarrier.arrive(p.sched.index((WG + 1) % p.WGS), count=1)  # round robin",
+         "def _pass_turn(nxt, WG: gl.constexpr):\n    mbarrier.expect(nxt, 0)  # round robin"),
+        ("def _kv_step(p: Pipeline, WG: gl.constexpr, it,", "def _kv_step(p: Pipeline, WG: gl.constexpr, mine, nxt, it,"),
+        ("    _take_turn(p, WG, turn + it)", "    _take_turn(mine, WG, turn + it)"),
+        ("        _take_turn(p, WG, turn)\n", "        _take_turn(mine, WG, turn)\n"),
+        ("        _take_turn(p, WG, turn + n_blocks)", "        _take_turn(mine, WG, turn + n_blocks)"),
+        ("    _pass_turn(p, WG)\n    qk = warpgroup_mma_wait(num_outstanding=1", "    _pass_turn(nxt, WG)\n    qk = warpgroup_mma_wait(num_outstanding=1"),
+        ("        _pass_turn(p, WG)\n        qk = warpgroup_mma_wait", "        _pass_turn(nxt, WG)\n        qk = warpgroup_mma_wait"),
+        ("        _pass_turn(p, WG)\n        o, p_op = warpgroup_mma_wait", "        _pass_turn(nxt, WG)\n        o, p_op = warpgroup_mma_wait"),
+        ("def consumer(p: Pipeline, WG: gl.constexpr", "def consumer(p: Pipeline, WG: gl.constexpr, mine, nxt"),
+        ("        for it in range(1, n_masked):  # key tiles the mask cuts (and a ragged last one)\n            kb = _block(it, hi, full_lo, full_hi, n_hi, n_masked)\n            o, p_op, alpha, m_i, l_i = _kv_step(p, WG, it,",
+         "        for it in range(1, n_masked):  # key tiles the mask cuts (and a ragged last one)\n            kb = _block(it, hi, full_lo, full_hi, n_hi, n_masked)\n            o, p_op, alpha, m_i, l_i = _kv_step(p, WG, mine, nxt, it,"),
+        ("        for it in range(gl.maximum(n_masked, 1), n_blocks):  # key tiles every row attends: no mask code\n            kb = _block(it, hi, full_lo, full_hi, n_hi, n_masked)\n            o, p_op, alpha, m_i, l_i = _kv_step(p, WG, it,",
+         "        for it in range(gl.maximum(n_masked, 1), n_blocks):  # key tiles every row attends: no mask code\n            kb = _block(it, hi, full_lo, full_hi, n_hi, n_masked)\n            o, p_op, alpha, m_i, l_i = _kv_step(p, WG, mine, nxt, it,"),
+        ("    sched = gl.allocate_shared_memory(gl.int64, [WGS, 1], bar_layout)\n",
+         "    sched = gl.allocate_shared_memory(gl.int64, [WGS, 1], bar_layout)\n"
+         "    sched0 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)\n"
+         "    sched1 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)\n"
+         "    mbarrier.init(sched0, count=1)\n    mbarrier.init(sched1, count=1)\n"),
+        ("        (consumer, (p, 0", "        (consumer, (p, 0, sched0, sched1"),
+        ("        (consumer, (p, 1", "        (consumer, (p, 1, sched1, sched0"),
+    ] + [(old, new) for old, new in PATCHES_ARRIVE_FREE if "sched" not in old],
+    # FA4's row sums: each thread keeps the sum of its own columns of a row ([BLOCK_M, 4]: the four
+    # lanes sharing a row) and the lanes add theirs once a tile, after the last key tile: the two
+    # shuffle rounds and their adds leave the key step (SASS: 4 SHFL.BFLY a step of 8)
+    "sum-late": [
+        ("    l_i = l_i * alpha + gl.sum(probs, axis=1)\n",
+         "    part = gl.sum(gl.sum(gl.reshape(probs, [probs.shape[0], probs.shape[1] // 8, 4, 2]), axis=3), axis=1)\n"
+         "    l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)), 1) + part\n"),
+        ("        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)\n",
+         "        l_i = gl.zeros([BLOCK_M, 4], gl.float32, gl.SliceLayout(1, gl.SliceLayout(3, gl.reshape(s_zero, [BLOCK_M, BLOCK_N // 8, 4, 2]).type.layout)))\n"),
+        ("        # Delayed normalisation: divide once;", "        l_i = gl.convert_layout(gl.sum(l_i, axis=1), row_s)\n        # Delayed normalisation: divide once;"),
     ],
     # FA3's order: O is rescaled by the previous tile's alpha right before its P V is issued (while
     # S = Q K^T runs), not after the P V wait; measured no different
