@@ -488,6 +488,9 @@ PATCHES["dp-late-s"] = PATCHES["dp-late"] + PATCHES["no-fold-early"]
 # products are in, under dQ's scale, store and hand-over) and carried into it in registers, so that
 # S^T and dP^T start without waiting for an LDS (ncu: 11 % + 4.6 % of a consumer loop's stall
 # samples there, `dp-late` above). Past the last step the reads hit a stale slot, not waited for.
+# H100, five rounds, ms base / patch: full 1x16x16384x128 9.806 / 9.830, causal 4.956 / 4.910,
+# sliding window 0.945 / 0.936; head dim 64 full 4x32x4096 2.917 / 3.057, causal 1.695 / 1.678,
+# sliding window 1.012 / 1.026, full 16k 11.105 / 11.746, causal 5.934 / 5.869: no gain, not taken
 # Masked steps, which subtract Delta after dP^T, read it there as before: the carried copy, kept
 # through their softmax and mask code, made ptxas spill in their loop.
 _ROWS_FN = '''@gluon.jit
@@ -579,7 +582,11 @@ PATCHES["ds-split-expect"] = PATCHES["ds-split"][:-1] + [(PATCHES["ds-split"][-1
         mbarrier.expect(p.ds_ready1.index(j % 2), 0)
         mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
 """)]
-# ... and the dQ hand-over the same way: no arrive left in the step for membar to sync behind
+# ... and the dQ hand-over the same way: no arrive left in the step for membar to sync behind (two
+# BAR.SYNC a step, the two the stores need). H100, five rounds, ms base / ds-split-expect /
+# sync-expect: full 4x16x4096x128 2.632 / 2.660 / 2.628, causal 1.496 / 1.507 / 1.508, full 16k 9.485
+# / 9.805 / 9.726, causal 16k 4.989 / 4.982 / 5.009; head dim 64 full 4k 2.921 / 3.073 / 2.971, causal
+# 1.736 / 1.726 / 1.768, full 16k 11.007 / 11.304 / 11.310, causal 16k 5.938 / 5.884 / 5.983: no gain
 PATCHES["sync-expect"] = PATCHES["ds-split-expect"] + [
     ("    fence_async_shared()\n    mbarrier.arrive(p.dq_bars.index(WG), count=1)\n",
      "    fence_async_shared()\n    _cta_barrier()\n    mbarrier.expect(p.dq_bars.index(WG), 0)\n")]

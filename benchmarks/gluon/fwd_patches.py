@@ -108,13 +108,18 @@ PATCHES = {
     # expect (arrive.expect_tx) with 0 bytes arrives from the same thread without it. Where the arrive
     # follows a wgmma wait (K, V and Q released, the GEMM turn passed) no sync is needed: CUTLASS's
     # consumer_release (FA3) signals from one thread of the warp group. ncu (full 4x16x4096x128, H100):
-    # 8.2 % of a consumer loop's stall samples at the arrives' barriers, FA4's loop 1.1 %
+    # 8.2 % of a consumer loop's stall samples at the arrives' barriers, FA4's loop 1.1 %. Measured
+    # no faster (H100, five rounds, ms base / patch): full 4x16x4096x128 0.869 / 0.892, causal 0.510 /
+    # 0.515, sliding window 0.264 / 0.265, full 1x16x16384x128 3.466 / 3.435, causal 1.779 / 1.795;
+    # head dim 64 full 4x32x4096 1.148 / 1.134, causal 0.769 / 0.751, 16k 4.172 / 4.225, 2.413 / 2.372
     "arrive-free": PATCHES_ARRIVE_FREE,
     # arrive-free with each warp group's turn barrier its own allocation, passed to it by
     # warp_specialize (the one it waits on, the one it passes the turn with): Triton's membar puts a
     # warp-group BAR.SYNC between a wait and an arrive on the same allocation (sched.index(w) and
     # sched.index(w + 1) are one), which kept the sync before the turn's hand-over (7 % of a loop's
-    # stall samples on the H100) and at the loop's top. Two consumer warp groups only (head dim 128)
+    # stall samples on the H100) and at the loop's top. Two consumer warp groups only (head dim 128).
+    # No BAR.SYNC left in the key loops but one; measured slower (same run as arrive-free): 0.907,
+    # 0.526, 0.264, 3.464, 1.794 ms. The warp-group syncs are not what the forward waits for
     "arrive-free-split": [
         ("def _take_turn(p: Pipeline, WG: gl.constexpr, turn):", "def _take_turn(mine, WG: gl.constexpr, turn):"),
         ("        mbarrier.wait(p.sched.index(0), (turn & 1) ^ 1)", "        mbarrier.wait(mine, (turn & 1) ^ 1)"),
@@ -143,7 +148,10 @@ PATCHES = {
     ] + [(old, new) for old, new in PATCHES_ARRIVE_FREE if "sched" not in old],
     # FA4's row sums: each thread keeps the sum of its own columns of a row ([BLOCK_M, 4]: the four
     # lanes sharing a row) and the lanes add theirs once a tile, after the last key tile: the two
-    # shuffle rounds and their adds leave the key step (SASS: 4 SHFL.BFLY a step of 8)
+    # shuffle rounds and their adds leave the key step (SASS: 485 -> 477 instructions, 4 SHFL.BFLY of 8).
+    # H100, five rounds, base / patch: full 4x16x4096x128 0.899 / 0.889, causal 0.529 / 0.518, full
+    # 16k 3.496 / 3.547, causal 1.797 / 1.758; head dim 64 full 4k 1.160 / 1.147, causal 0.763 /
+    # 0.756, 16k 4.290 / 4.280, 2.416 / 2.421: within the spread
     "sum-late": [
         ("    l_i = l_i * alpha + gl.sum(probs, axis=1)\n",
          "    part = gl.sum(gl.sum(gl.reshape(probs, [probs.shape[0], probs.shape[1] // 8, 4, 2]), axis=3), axis=1)\n"
