@@ -35,12 +35,6 @@ GLUON_PAYS = {128: 0, 64: 8192}
 # 0.644 / 0.594, 4x32x4096 1.265 / 1.148, 2x32x8192 2.464 / 2.156
 GLUON_PAYS_UNMASKED = {64: 2048}
 
-
-def gluon_pays(variant, d: int) -> int:
-    """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d."""
-    if variant.analysis.facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
-        return GLUON_PAYS_UNMASKED[d]
-    return GLUON_PAYS.get(d, 0)
 # Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
 # the shortest K/V length.
@@ -52,6 +46,13 @@ def gluon_pays(variant, d: int) -> int:
 #        16x16x1024 0.68-1.06 (full 1.06, causal 0.93)
 # ATTNCC_TIER=gluon runs it wherever it fits.
 GLUON_BWD_PAYS = {64: 4096, 128: 4096}
+
+
+def gluon_pays(variant, d: int) -> int:
+    """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d."""
+    if variant.analysis.facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
+        return GLUON_PAYS_UNMASKED[d]
+    return GLUON_PAYS.get(d, 0)
 
 
 @lru_cache(maxsize=1)
