@@ -160,6 +160,21 @@ PATCHES = {
          "        l_i = gl.zeros([BLOCK_M, 4], gl.float32, gl.SliceLayout(1, gl.SliceLayout(3, gl.reshape(s_zero, [BLOCK_M, BLOCK_N // 8, 4, 2]).type.layout)))\n"),
         ("        # Delayed normalisation: divide once;", "        l_i = gl.convert_layout(gl.sum(l_i, axis=1), row_s)\n        # Delayed normalisation: divide once;"),
     ],
+    # FA4's order at a key step's start: wait for K's slot, then take the GEMM turn (ours takes the
+    # turn first and may hold it while K is still loading, keeping the other warp group from its
+    # products); waits for a GPU
+    "k-before-turn": [
+        ("""    _take_turn(p, WG, turn + it)
+    mbarrier.wait(p.k_ready.index(k_slot), (g // p.STAGES) & 1)
+""", """    mbarrier.wait(p.k_ready.index(k_slot), (g // p.STAGES) & 1)
+    _take_turn(p, WG, turn + it)
+"""),
+        ("""        _take_turn(p, WG, turn)
+        mbarrier.wait(p.k_ready.index(k_slot), (g0 // STAGES) & 1)
+""", """        mbarrier.wait(p.k_ready.index(k_slot), (g0 // STAGES) & 1)
+        _take_turn(p, WG, turn)
+"""),
+    ],
     # FA3's order: O is rescaled by the previous tile's alpha right before its P V is issued (while
     # S = Q K^T runs), not after the P V wait; measured no different
     "rescale-early": [
