@@ -488,11 +488,11 @@ PATCHES["dp-late-s"] = PATCHES["dp-late"] + PATCHES["no-fold-early"]
 # products are in, under dQ's scale, store and hand-over) and carried into it in registers, so that
 # S^T and dP^T start without waiting for an LDS (ncu: 11 % + 4.6 % of a consumer loop's stall
 # samples there, `dp-late` above). Past the last step the reads hit a stale slot, not waited for.
+# Masked steps, which subtract Delta after dP^T, read it there as before: the carried copy, kept
+# through their softmax and mask code, made ptxas spill in their loop.
 # H100, five rounds, ms base / patch: full 1x16x16384x128 9.806 / 9.830, causal 4.956 / 4.910,
 # sliding window 0.945 / 0.936; head dim 64 full 4x32x4096 2.917 / 3.057, causal 1.695 / 1.678,
 # sliding window 1.012 / 1.026, full 16k 11.105 / 11.746, causal 5.934 / 5.869: no gain, not taken
-# Masked steps, which subtract Delta after dP^T, read it there as before: the carried copy, kept
-# through their softmax and mask code, made ptxas spill in their loop.
 _ROWS_FN = '''@gluon.jit
 def _rows(p: Pipeline, j, n, s_layout: gl.constexpr):
     """Step j's (of n) S^T start (-lse2 / (sm_scale log2 e); FOLD_LSE) and Delta, once its slot landed."""
@@ -548,8 +548,9 @@ PATCHES["delta-ahead"] = [
 ]
 
 # Each warp group arrives on a dS^T barrier of its own and waits on the other's: Triton's membar puts
-# a warp-group BAR.SYNC between an arrive and a wait on one allocation, which the meeting had right
-# after the arrive's own sync (four BAR.SYNC a step in the SASS, three with this)
+# a warp-group BAR.SYNC between an arrive and a wait, which the meeting had right after the arrive's
+# own sync. Alone this leaves the step's four BAR.SYNC (membar syncs behind any arrive); with the
+# expect below, three
 PATCHES["ds-split"] = [
     ("    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n",
      "    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n"

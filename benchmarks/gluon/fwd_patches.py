@@ -44,6 +44,7 @@ def _exp2_mix(x):
 # name -> [(old text, new text)] applied to the rendered source
 _PAIRS = ('gl.convert_layout(gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [probs], '
           'dtype=gl.bfloat16, is_pure=True, pack=2), p_layout)')
+# arrive-free's edits (arrive-free-split takes those that do not pass the GEMM turn)
 PATCHES_ARRIVE_FREE = [
     ("    mbarrier.arrive(p.sched.index((WG + 1) % p.WGS), count=1)  # round robin",
      "    mbarrier.expect(p.sched.index((WG + 1) % p.WGS), 0)  # round robin"),
