@@ -26,9 +26,10 @@ MAX_KEYS = 4096  # keys one Launcher keeps before it starts over
 
 
 class Launcher:
-    """Wraps one @triton.jit kernel of a generated module: ``Launcher(fn)[grid](*args, **kwargs)``
-    launches exactly what ``fn[grid](*args, **kwargs)`` would, on the GPU that holds the first
-    argument (Triton launches on the current device; a tensor on another GPU faults there).
+    """Wraps one @triton.jit or @gluon.jit kernel of a generated module: ``Launcher(fn)[grid](*args,
+    **kwargs)`` launches exactly what ``fn[grid](*args, **kwargs)`` would, on the GPU that holds the
+    first argument, or the tensor of a first TMA descriptor (Triton launches on the current
+    device; a tensor on another GPU faults there).
     ``direct=False``: always through Triton's launch."""
 
     def __init__(self, fn, direct: bool = True):
@@ -53,6 +54,8 @@ class Launcher:
     def run(self, grid, args, kwargs):
         device, stream = self.device_and_stream()
         first = args[0] if args else None
+        if not isinstance(first, torch.Tensor):
+            first = getattr(first, "base", None)  # a host TMA descriptor: the tensor it describes
         at = first.get_device() if isinstance(first, torch.Tensor) else -1
         if at >= 0 and at != device:  # the inputs live on another GPU than the current one
             with torch.cuda.device(at):
@@ -118,9 +121,9 @@ def key_function(modes: tuple, example: tuple, tag: int):
             parts += [f"{x}.dtype", f"{x}.data_ptr() % 16 == 0"]
         elif t is int:  # FREE: only the width Triton passes it with
             parts += [f"{_I32[0]} <= {x} < {_I32[1]}", f"{x} >= {1 << 63}"]
-        elif t.__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor: a host TMA descriptor
+        elif t.__name__ == "TensorDescriptor":  # a host TMA descriptor (triton.tools; Gluon's has a layout)
             parts += [f"{x}.base.dtype", f"tuple({x}.block_shape)", f"getattr({x}, 'padding', None)",
-                      f"getattr({x}, 'round_f32_to_tf32', None)"]
+                      f"getattr({x}, 'round_f32_to_tf32', None)", f"getattr({x}, 'layout', None)"]
         elif t is not float and a is not None:  # a type Triton's key is not modelled for
             return lambda device, args, kwargs: None
     unpack = f"    {''.join(n + ', ' for n in names)}= args\n" if names else ""

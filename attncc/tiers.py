@@ -35,17 +35,22 @@ GLUON_PAYS = {128: 0, 64: 8192}
 # 0.644 / 0.594, 4x32x4096 1.265 / 1.148, 2x32x8192 2.464 / 2.156
 GLUON_PAYS_UNMASKED = {64: 2048}
 
-# Where the Gluon backward measured faster than the Triton tier's (H100, bf16, triton 3.6,
+# Where the Gluon backward measured faster than the Triton tier's (bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
 # the shortest K/V length.
-#   64:  4x32x4096 1.08-1.24x (2026-11-25: full 1.24, causal 1.21, prefix-LM 1.15, ALiBi 1.14,
+#   64:  H100 4x32x4096 1.08-1.24x (2026-11-25: full 1.24, causal 1.21, prefix-LM 1.15, ALiBi 1.14,
 #        sliding window 1.08, softcap 1.18 with query tiles of 64, GQA 4:1 1.31), 1x32x16384
-#        1.09-1.41x; 16x32x1024 0.73-0.99x (short programs: their fixed cost shows)
-#   128: 4x16x4096 full 1.20x, causal 1.25, sliding window 1.14, ALiBi 1.08, softcap 1.05, GQA 4:1
-#        1.06-1.07 (0.88 before the grid ran in chunks); 1x16x16384 full 1.37, causal 1.29, GQA 1.21;
-#        16x16x1024 0.68-1.06 (full 1.06, causal 0.93)
+#        1.09-1.41x; H200 (2026-11-28) 8x32x2048 full 1.19, causal 1.14, sliding window 1.02;
+#        16x32x1024 0.73-0.99x (H100: short programs, their fixed cost shows)
+#   128: H100 4x16x4096 full 1.20x, causal 1.25, sliding window 1.14, ALiBi 1.08, softcap 1.05, GQA
+#        4:1 1.06-1.07; 1x16x16384 full 1.37, causal 1.29, GQA 1.21; H200 (2026-11-28) 8x16x2048
+#        full 1.19, causal 1.25, sliding window 1.24, prefix-LM 1.23; 16x16x1024 full 1.12 (H100
+#        1.06), prefix-LM 1.22, but causal 0.92 (H100 0.93) and sliding window 0.85
 # ATTNCC_TIER=gluon runs it wherever it fits.
-GLUON_BWD_PAYS = {64: 4096, 128: 4096}
+GLUON_BWD_PAYS = {64: 2048, 128: 2048}
+# ... and for plain attention (no mask: every K/V tile runs every query tile; the identity
+# score_mod, as measured), head dim -> length
+GLUON_BWD_PAYS_UNMASKED = {128: 1024}
 
 
 def gluon_pays(variant, d: int) -> int:
@@ -202,22 +207,32 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
         return "triton", why_not
     if want == "gluon":
         return "gluon", "ATTNCC_TIER=gluon"
-    why_not = _bwd_slower(d, kv_len)
+    why_not = _bwd_slower(variant, d, kv_len)
     if why_not:
-        return "triton", f"{why_not}: the Gluon backward measured slower than the Triton tier's (tiers.GLUON_BWD_PAYS)"
+        return "triton", f"{why_not}: the Gluon backward measured slower than the Triton tier's (tiers.gluon_bwd_pays)"
     return "gluon", f"sm90, {fwd_spec.dtype}, head dim {d}, {kv_len} keys: measured faster"
 
 
-def long_enough(d: int, kv_len: int | None) -> bool:
+def gluon_bwd_pays(variant, d: int) -> int | None:
+    """The shortest K/V length from which ``auto`` runs the Gluon backward at head dim d (None:
+    at no length)."""
+    facts = variant.analysis.facts
+    if facts.mask_trivial and facts.score_identity and d in GLUON_BWD_PAYS_UNMASKED:
+        return GLUON_BWD_PAYS_UNMASKED[d]
+    return GLUON_BWD_PAYS.get(d)
+
+
+def long_enough(variant, d: int, kv_len: int | None) -> bool:
     """Whether kv_len keys reach the length from which the Gluon backward pays at head dim d
     (what of the length the backward's tier depends on)."""
-    return kv_len is not None and d in GLUON_BWD_PAYS and kv_len >= GLUON_BWD_PAYS[d]
+    shortest = gluon_bwd_pays(variant, d)
+    return kv_len is not None and shortest is not None and kv_len >= shortest
 
 
-def _bwd_slower(d: int, kv_len: int | None) -> str | None:
-    if d not in GLUON_BWD_PAYS:
+def _bwd_slower(variant, d: int, kv_len: int | None) -> str | None:
+    min_len = gluon_bwd_pays(variant, d)
+    if min_len is None:
         return f"head dim {d}"
-    min_len = GLUON_BWD_PAYS[d]
     if kv_len is None or kv_len < min_len:
         return f"head dim {d}, {'an unknown number of' if kv_len is None else kv_len} keys (< {min_len})"
     return None

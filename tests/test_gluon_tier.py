@@ -112,16 +112,18 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in src and "def producer(" in src and "def consumer(" in src
     assert "Gluon tier" not in kernel.source("fwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
-    # the Gluon backward runs from the K/V length where it measured faster (tiers.GLUON_BWD_PAYS);
+    # the Gluon backward runs from the K/V length where it measured faster (tiers.gluon_bwd_pays);
     # source() shows what a call of unknown length runs
-    assert ("backward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown number of keys (< 4096): "
+    assert ("backward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown number of keys (< 2048): "
             "the Gluon backward measured slower") in text
-    assert "; from 4096 keys: gluon (sm90, bfloat16, head dim 128, 4096 keys: measured faster)" in text
-    assert "head dim 64, an unknown number of keys (< 4096)" in text and "; from 4096 keys: gluon" in text
+    assert "; from 2048 keys: gluon (sm90, bfloat16, head dim 128, 2048 keys: measured faster)" in text
+    assert "head dim 64, an unknown number of keys (< 2048)" in text and "; from 2048 keys: gluon" in text
     assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     softcap = attncc.compile(_variant("softcap"))
     assert "head dim 128: triton (head dim 128, an unknown" in softcap.explain()
-    assert "; from 4096 keys: gluon" in softcap.explain()
+    assert "; from 2048 keys: gluon" in softcap.explain()
+    # plain attention (no mask, the identity score_mod) from 1024 keys at head dim 128
+    assert "; from 1024 keys: gluon" in attncc.compile(attncc.Variant()).explain()
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     bwd = kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in bwd and "def attn_bwd(" in bwd and "_tma_add(" in bwd
@@ -129,8 +131,8 @@ def test_explain_and_source_name_the_tier(monkeypatch):
 
 
 def test_backward_tier_choice_follows_the_measurements(monkeypatch):
-    """Auto: the Gluon backward from 4096 keys at head dims 64 and 128 (GQA and any score_mod
-    too); ATTNCC_TIER=gluon anywhere it fits."""
+    """Auto: the Gluon backward from 2048 keys at head dims 64 and 128 (GQA and any score_mod
+    too), from 1024 for plain attention at 128; ATTNCC_TIER=gluon anywhere it fits."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     causal, softcap = _variant("causal"), _variant("softcap")
 
@@ -138,16 +140,19 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
         spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon")
         return tiers.choose_backward(variant, spec, (), False, kv_len)
 
-    assert tier(causal, 128, 1, 4096)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "triton"
-    assert tier(softcap, 128, 1, 4096)[0] == "gluon" and tier(causal, 128, 4, 16384)[0] == "gluon"
-    assert tier(causal, 64, 4, 4096)[0] == "gluon" and tier(softcap, 64, 1, 4096)[0] == "gluon"
+    assert tier(causal, 128, 1, 2048)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "triton"
+    assert tier(softcap, 128, 1, 2048)[0] == "gluon" and tier(causal, 128, 4, 16384)[0] == "gluon"
+    assert tier(causal, 64, 4, 2048)[0] == "gluon" and tier(softcap, 64, 1, 2048)[0] == "gluon"
+    plain = attncc.Variant()
+    assert tier(plain, 128, 1, 1024)[0] == "gluon" and tier(plain, 128, 1, 1023)[0] == "triton"
+    assert tier(plain, 64, 1, 1024)[0] == "triton" and tier(softcap, 128, 1, 1024)[0] == "triton"
     # GQA with a mask that reads h: each query head's programs bound their own tiles
     per_head = attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 96 * (h + 1)))
     assert tier(per_head, 64, 4, 4096)[0] == "gluon"
     spec = Spec("bfloat16", 64, 64, 4, "cuda-sm90", tier="gluon")
     assert "SPLIT_HEADS_FROM = 0\n" in codegen.render(plan.build("bwd", per_head.analysis, spec, per_head.captures))
     assert "SPLIT_HEADS_FROM = 8192\n" in codegen.render(plan.build("bwd", causal.analysis, spec, causal.captures))
-    for args, why in [((causal, 128, 1, 4095), "128, 4095 keys (< 4096)"), ((causal, 64, 1, 1000), "(< 4096)"),
+    for args, why in [((causal, 128, 1, 2047), "128, 2047 keys (< 2048)"), ((causal, 64, 1, 1000), "(< 2048)"),
                       ((causal, 80, 1, 16384), "equal head dims of 64 or 128")]:
         got, reason = tier(*args)
         assert got == "triton" and why in reason, (args, reason)
@@ -237,6 +242,7 @@ backend = make_backend(target)
 
 
 def compile_for_sm90(fn, args, kwargs):
+    fn = fn.fn  # the module's kernels are attncc.launcher.Launchers: the Gluon JITFunction inside
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)

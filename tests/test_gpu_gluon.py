@@ -249,7 +249,7 @@ def test_gluon_backward_tier_choice(monkeypatch):
     Gluon one (its per-step sums and atomics measured slower), and always where a learnable
     capture is indexed by both positions; deterministic mode keeps it too."""
     torch.manual_seed(6)
-    L = 4099  # past tiers.GLUON_BWD_PAYS: under auto only the learnable capture keeps the Triton tier
+    L = 4099  # past tiers.gluon_bwd_pays: under auto only the learnable capture keeps the Triton tier
     slopes = torch.rand(4, device="cuda", requires_grad=True)
     table = torch.randn(4, 2 * L - 1, device="cuda", requires_grad=True)
     q, k, v = (torch.randn(1, 4, L, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -330,7 +330,7 @@ def test_gluon_backward_learnable_captures(name, shape, monkeypatch):
 
 @pytest.mark.parametrize("name,D,Hkv", [("causal", 128, 2), ("prefix_lm", 128, 2), ("softcap", 64, 1)])
 def test_auto_tier_picks_the_gluon_backward_for_long_sequences(name, D, Hkv, monkeypatch):
-    """With no ATTNCC_TIER, a long enough call (tiers.GLUON_BWD_PAYS) runs the Gluon backward and
+    """With no ATTNCC_TIER, a long enough call (tiers.gluon_bwd_pays) runs the Gluon backward and
     a short one the Triton tier's; both against float64 (odd length 4099 past the threshold)."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     attncc.api._loaded.clear()

@@ -135,9 +135,16 @@ def test_two_calls_share_a_key_only_when_triton_specialises_them_alike(fake):
     descriptors = [TensorDescriptor.from_tensor(t, [n]) for t, n in (
         (torch.zeros(64), 16), (torch.zeros(128), 16), (torch.zeros(64), 32), (torch.zeros(64).half(), 16))]
     variants += [(d,) + base[1:] for d in descriptors]  # host TMA descriptors (14 to 17)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    swizzled = gl.NVMMASharedLayout.get_default_for([16, 32], gl.float32)
+    plain = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    variants += [(GluonDescriptor.from_tensor(t, [16, 32], layout),) + base[1:] for t, layout in (
+        (torch.zeros(64, 32), swizzled), (torch.zeros(128, 32), swizzled), (torch.zeros(64, 32), plain))]  # 18-20
     kwargs = ({"BLOCK": 32}, {"BLOCK": 64}, {"BLOCK": 32, "num_warps": 8})
     alike = [{0, 3, 8, 9},  # base, another aligned float32 tensor, another 32-bit seed, another scale
-             {14, 15}]  # descriptors of one dtype and block shape over tensors of other sizes
+             {14, 15},  # descriptors of one dtype and block shape over tensors of other sizes
+             {18, 19}]  # Gluon's: the same, and of one shared-memory layout
     calls = [(v, kw) for v in range(len(variants)) for kw in kwargs]
     keys = [lau.key(0, variants[v], kw) for v, kw in calls]
     assert None not in keys
