@@ -76,6 +76,7 @@ def _in_python(jitted, done=None):
     import types
     done = {} if done is None else done
     fn = jitted.fn
+    fn = getattr(fn, "fn", fn)  # a kernel the module launches is wrapped (attncc.launcher): its function
     if fn not in done:
         env = dict(fn.__globals__, gl=_Gl)
         done[fn] = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)

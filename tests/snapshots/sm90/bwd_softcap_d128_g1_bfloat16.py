@@ -607,8 +607,11 @@ def _preprocess(out, dout, lse, dlse, lse2, delta, dq_acc, H, N_CTX_Q, n_q):
         HEAD_DIM=128, BLOCK_M=64, HAS_DLSE=dlse is not None, num_warps=4)
 
 
+_DQ_LAYOUT = gl.NVMMASharedLayout(0, 32)  # dq_acc's boxes: unswizzled float32 rows (built once: 3 us)
+
+
 def _dq_accumulator(n_tiles, device):
     """dq_acc for n_tiles query tiles (float32, rows of 256) and its descriptor, whose box is one
     warp group's block of a tile."""
     dq_acc = torch.empty(n_tiles * 32, 256, dtype=torch.float32, device=device)
-    return dq_acc, TensorDescriptor.from_tensor(dq_acc, [16, 256], gl.NVMMASharedLayout(0, 32))
+    return dq_acc, TensorDescriptor.from_tensor(dq_acc, [16, 256], _DQ_LAYOUT)
