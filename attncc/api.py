@@ -64,7 +64,7 @@ class CompiledAttention:
                  ) -> Spec:
         """The backward's Spec: the forward's plus which captures need gradients (and the tier,
         which may depend on whether ``kv_len`` keys are long enough for the Gluon backward)."""
-        long = tiers.long_enough(self.variant, fwd_spec.head_dim, kv_len)
+        long = tiers.long_enough(fwd_spec.head_dim, fwd_spec.group, kv_len)
         key = (fwd_spec, tuple(learnable), deterministic, config.atomic_dq(), config.tier(), long)
         spec = self._bwd_specs.get(key)
         if spec is None:
@@ -236,8 +236,8 @@ class CompiledAttention:
             spec = Spec("bfloat16", d, d, 1, "cuda-sm90", v.dropout_p > 0, tier=tier)
             tier, why = tiers.choose_backward(v, spec, (), False)
             line = f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})"
-            if tier == "triton" and tiers.gluon_bwd_pays(v, d) and config.tier() == "auto":
-                longer = tiers.gluon_bwd_pays(v, d)
+            if tier == "triton" and tiers.gluon_bwd_pays(d) and config.tier() == "auto":
+                longer = tiers.gluon_bwd_pays(d)
                 tier, why = tiers.choose_backward(v, spec, (), False, longer)
                 line += f"; from {longer} keys: {tier}" + (f" ({why})" if tier == "gluon" else "")
             lines.append(line)

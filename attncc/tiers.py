@@ -34,6 +34,11 @@ GLUON_PAYS = {128: 0, 64: 8192}
 # twice, Triton / Gluon ms, full attention at head dim 64): 16x32x1024 0.333 / 0.346, 8x32x2048
 # 0.644 / 0.594, 4x32x4096 1.265 / 1.148, 2x32x8192 2.464 / 2.156
 GLUON_PAYS_UNMASKED = {64: 2048}
+# ... and with a score_mod other than the identity (its code in every key step), head dim -> the
+# shortest length (H200, 2026-11-28, benchmarks/tier_ab.py, Triton / Gluon ms): 16x16x1024x128 ALiBi
+# 0.198 / 0.242, softcap 0.216 / 0.236 (causal 0.179 / 0.183); 8x16x2048x128 ALiBi 0.340 / 0.355,
+# softcap 0.360 / 0.356; at 4096 the Gluon forward is the faster
+GLUON_PAYS_SCORED = {128: 2048}
 
 # Where the Gluon backward measured faster than the Triton tier's (bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
@@ -41,22 +46,27 @@ GLUON_PAYS_UNMASKED = {64: 2048}
 #   64:  H100 4x32x4096 1.08-1.24x (2026-11-25: full 1.24, causal 1.21, prefix-LM 1.15, ALiBi 1.14,
 #        sliding window 1.08, softcap 1.18 with query tiles of 64, GQA 4:1 1.31), 1x32x16384
 #        1.09-1.41x; H200 (2026-11-28) 8x32x2048 full 1.19, causal 1.14, sliding window 1.02;
-#        16x32x1024 0.73-0.99x (H100: short programs, their fixed cost shows)
+#        16x32x1024 full 1.09, causal 1.03, sliding window 1.16 (since the kernels launch through
+#        attncc.launcher; before, 0.73-0.99x on the H100)
 #   128: H100 4x16x4096 full 1.20x, causal 1.25, sliding window 1.14, ALiBi 1.08, softcap 1.05, GQA
 #        4:1 1.06-1.07; 1x16x16384 full 1.37, causal 1.29, GQA 1.21; H200 (2026-11-28) 8x16x2048
-#        full 1.19, causal 1.25, sliding window 1.24, prefix-LM 1.23; 16x16x1024 full 1.12 (H100
-#        1.06), prefix-LM 1.22, but causal 0.92 (H100 0.93) and sliding window 0.85
+#        full 1.19, causal 1.25, sliding window 1.24, prefix-LM 1.23; 16x16x1024 full 1.14, causal
+#        1.15, sliding window 1.20, prefix-LM 1.14, ALiBi 1.05, softcap 1.04; 32x16x512 full 1.05,
+#        causal 1.00, ALiBi 0.95
 # ATTNCC_TIER=gluon runs it wherever it fits.
-GLUON_BWD_PAYS = {64: 2048, 128: 2048}
-# ... and for plain attention (no mask: every K/V tile runs every query tile; the identity
-# score_mod, as measured), head dim -> length
-GLUON_BWD_PAYS_UNMASKED = {128: 1024}
+GLUON_BWD_PAYS = {64: 1024, 128: 1024}
+# ... and under GQA, where each query head's programs add their dK, dV into float32 sums (and
+# rounding them is a pass of its own): H200 16x16x1024x128 GQA 4:1 causal 0.587 / 0.622
+GLUON_BWD_PAYS_GQA = {64: 2048, 128: 2048}
 
 
 def gluon_pays(variant, d: int) -> int:
     """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d."""
-    if variant.analysis.facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
+    facts = variant.analysis.facts
+    if facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
         return GLUON_PAYS_UNMASKED[d]
+    if not facts.score_identity and d in GLUON_PAYS_SCORED:
+        return GLUON_PAYS_SCORED[d]
     return GLUON_PAYS.get(d, 0)
 
 
@@ -207,32 +217,30 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
         return "triton", why_not
     if want == "gluon":
         return "gluon", "ATTNCC_TIER=gluon"
-    why_not = _bwd_slower(variant, d, kv_len)
+    why_not = _bwd_slower(d, fwd_spec.group, kv_len)
     if why_not:
         return "triton", f"{why_not}: the Gluon backward measured slower than the Triton tier's (tiers.gluon_bwd_pays)"
     return "gluon", f"sm90, {fwd_spec.dtype}, head dim {d}, {kv_len} keys: measured faster"
 
 
-def gluon_bwd_pays(variant, d: int) -> int | None:
-    """The shortest K/V length from which ``auto`` runs the Gluon backward at head dim d (None:
-    at no length)."""
-    facts = variant.analysis.facts
-    if facts.mask_trivial and facts.score_identity and d in GLUON_BWD_PAYS_UNMASKED:
-        return GLUON_BWD_PAYS_UNMASKED[d]
-    return GLUON_BWD_PAYS.get(d)
+def gluon_bwd_pays(d: int, group: int = 1) -> int | None:
+    """The shortest K/V length from which ``auto`` runs the Gluon backward at head dim d with
+    ``group`` query heads per K/V head (None: at no length)."""
+    return (GLUON_BWD_PAYS_GQA if group > 1 else GLUON_BWD_PAYS).get(d)
 
 
-def long_enough(variant, d: int, kv_len: int | None) -> bool:
-    """Whether kv_len keys reach the length from which the Gluon backward pays at head dim d
-    (what of the length the backward's tier depends on)."""
-    shortest = gluon_bwd_pays(variant, d)
+def long_enough(d: int, group: int, kv_len: int | None) -> bool:
+    """Whether kv_len keys reach the length from which the Gluon backward pays (what of the
+    length the backward's tier depends on)."""
+    shortest = gluon_bwd_pays(d, group)
     return kv_len is not None and shortest is not None and kv_len >= shortest
 
 
-def _bwd_slower(variant, d: int, kv_len: int | None) -> str | None:
-    min_len = gluon_bwd_pays(variant, d)
+def _bwd_slower(d: int, group: int, kv_len: int | None) -> str | None:
+    min_len = gluon_bwd_pays(d, group)
     if min_len is None:
         return f"head dim {d}"
     if kv_len is None or kv_len < min_len:
-        return f"head dim {d}, {'an unknown number of' if kv_len is None else kv_len} keys (< {min_len})"
+        return (f"head dim {d}{', GQA' if group > 1 else ''}, {'an unknown number of' if kv_len is None else kv_len} "
+                f"keys (< {min_len})")
     return None

@@ -78,6 +78,12 @@ def test_tier_choice(monkeypatch):
     tier, reason = tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2047)
     assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=4096)[0] == "triton"
+    # ... and at head dim 128 a score_mod other than the identity from 2048
+    for name in ("alibi", "softcap"):
+        assert tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2048)[0] == "gluon"
+        tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2047)
+        assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, length=17)[0] == "gluon"
     for name in ("alibi", "sliding_window", "softcap"):
         tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=16384)
         assert tier == "triton" and "three consumer warp groups" in reason, (name, reason)
@@ -108,22 +114,25 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     kernel = attncc.compile(_variant("alibi"))
     text = kernel.explain()
-    assert "sm90, bfloat16, head dim 128: gluon" in text and "head dim 64: triton (head dim 64: the Gluon" in text
+    # a score_mod other than the identity: the Gluon forward from 2048 queries and keys at head dim 128
+    assert ("forward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown length (< 2048): the Gluon "
+            "forward measured slower (tiers.gluon_pays)); from 2048 queries and keys: gluon") in text, text
+    assert "head dim 64: triton (head dim 64: the Gluon" in text
     src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
+    assert "Gluon tier" not in src  # source() shows what a call of unknown length runs
+    src = attncc.compile(_variant("causal")).source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in src and "def producer(" in src and "def consumer(" in src
     assert "Gluon tier" not in kernel.source("fwd", dtype=torch.bfloat16, head_dim=64, target="cuda-sm90")
     # the Gluon backward runs from the K/V length where it measured faster (tiers.gluon_bwd_pays);
     # source() shows what a call of unknown length runs
-    assert ("backward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown number of keys (< 2048): "
+    assert ("backward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown number of keys (< 1024): "
             "the Gluon backward measured slower") in text
-    assert "; from 2048 keys: gluon (sm90, bfloat16, head dim 128, 2048 keys: measured faster)" in text
-    assert "head dim 64, an unknown number of keys (< 2048)" in text and "; from 2048 keys: gluon" in text
+    assert "; from 1024 keys: gluon (sm90, bfloat16, head dim 128, 1024 keys: measured faster)" in text
+    assert "head dim 64, an unknown number of keys (< 1024)" in text and "; from 1024 keys: gluon" in text
     assert "Gluon tier" not in kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     softcap = attncc.compile(_variant("softcap"))
     assert "head dim 128: triton (head dim 128, an unknown" in softcap.explain()
-    assert "; from 2048 keys: gluon" in softcap.explain()
-    # plain attention (no mask, the identity score_mod) from 1024 keys at head dim 128
-    assert "; from 1024 keys: gluon" in attncc.compile(attncc.Variant()).explain()
+    assert "; from 1024 keys: gluon" in softcap.explain()
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     bwd = kernel.source("bwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier (Hopper)" in bwd and "def attn_bwd(" in bwd and "_tma_add(" in bwd
@@ -131,8 +140,8 @@ def test_explain_and_source_name_the_tier(monkeypatch):
 
 
 def test_backward_tier_choice_follows_the_measurements(monkeypatch):
-    """Auto: the Gluon backward from 2048 keys at head dims 64 and 128 (GQA and any score_mod
-    too), from 1024 for plain attention at 128; ATTNCC_TIER=gluon anywhere it fits."""
+    """Auto: the Gluon backward from 1024 keys at head dims 64 and 128 (any score_mod), from 2048
+    under GQA; ATTNCC_TIER=gluon anywhere it fits."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     causal, softcap = _variant("causal"), _variant("softcap")
 
@@ -140,19 +149,20 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
         spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon")
         return tiers.choose_backward(variant, spec, (), False, kv_len)
 
-    assert tier(causal, 128, 1, 2048)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "triton"
-    assert tier(softcap, 128, 1, 2048)[0] == "gluon" and tier(causal, 128, 4, 16384)[0] == "gluon"
-    assert tier(causal, 64, 4, 2048)[0] == "gluon" and tier(softcap, 64, 1, 2048)[0] == "gluon"
+    assert tier(causal, 128, 1, 1024)[0] == "gluon" and tier(causal, 128, 1, None)[0] == "triton"
+    assert tier(softcap, 128, 1, 1024)[0] == "gluon" and tier(causal, 128, 4, 16384)[0] == "gluon"
+    assert tier(causal, 64, 4, 2048)[0] == "gluon" and tier(softcap, 64, 1, 1024)[0] == "gluon"
     plain = attncc.Variant()
     assert tier(plain, 128, 1, 1024)[0] == "gluon" and tier(plain, 128, 1, 1023)[0] == "triton"
-    assert tier(plain, 64, 1, 1024)[0] == "triton" and tier(softcap, 128, 1, 1024)[0] == "triton"
+    assert tier(plain, 64, 1, 1024)[0] == "gluon" and tier(softcap, 128, 1, 1023)[0] == "triton"
     # GQA with a mask that reads h: each query head's programs bound their own tiles
     per_head = attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 96 * (h + 1)))
     assert tier(per_head, 64, 4, 4096)[0] == "gluon"
     spec = Spec("bfloat16", 64, 64, 4, "cuda-sm90", tier="gluon")
     assert "SPLIT_HEADS_FROM = 0\n" in codegen.render(plan.build("bwd", per_head.analysis, spec, per_head.captures))
     assert "SPLIT_HEADS_FROM = 8192\n" in codegen.render(plan.build("bwd", causal.analysis, spec, causal.captures))
-    for args, why in [((causal, 128, 1, 2047), "128, 2047 keys (< 2048)"), ((causal, 64, 1, 1000), "(< 2048)"),
+    for args, why in [((causal, 128, 1, 1023), "128, 1023 keys (< 1024)"), ((causal, 64, 1, 1000), "(< 1024)"),
+                      ((causal, 128, 4, 2047), "128, GQA, 2047 keys (< 2048)"), ((causal, 64, 2, 1024), "GQA"),
                       ((causal, 80, 1, 16384), "equal head dims of 64 or 128")]:
         got, reason = tier(*args)
         assert got == "triton" and why in reason, (args, reason)

@@ -11,6 +11,8 @@ PATCHES = {
     "no-dq-add": [("        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
+    # the masked steps run without their mask code (timing only: what the mask costs a step)
+    "mask-off": [("                       s_layout, op_layout, dq_layout, True", "                       s_layout, op_layout, dq_layout, False")],
     # every K/V tile starts its whole query tiles at the first one
     "no-rotation": [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return full_lo * 0")],
     # what parts of the step cost (timing only): the exponential, the dK and the dQ products
