@@ -99,7 +99,7 @@ PATCHES = {
     # pairs, fixed sizes or about two waves of tiles a section (132 SMs). A list-scheduling model
     # (Q tiles of a head cost 2 + their key tiles, masked ones 1.3) has head after head 6.5 % over
     # the ideal makespan at causal 4x16x4096x128, 5.9 % at 16x16x1024x128, 4.6 % at head dim 64
-    # 4x32x4096, 0.1 % at 1x16x16384x128; sections of two waves 0.4, 1.2, 1.0 and 0.1 %. FA4's L2-sized
+    # 4x32x4096, 0.1 % at 1x16x16384x128; sections of two waves 0.4, 1.2, 1.1 and 0.1 %. FA4's L2-sized
     # sections measured (2026-11-25, H100) causal 4k 0.533 -> 0.520 ms but causal 16k 1.773 -> 1.822
     "order-s4": _order_patch("4"),
     "order-s16": _order_patch("16"),
