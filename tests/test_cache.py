@@ -78,8 +78,11 @@ def test_source_lands_under_cache_dir(attncc_cache_dir):
 
 def test_source_text():
     kernel = _alibi_kernel()
-    for d, decorator in ((128, "@gluon.jit"), (64, "@triton.jit")):  # sm90: the Gluon tier at head dim 128
-        src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=d, target="cuda-sm90")
+    causal = attncc.compile(attncc.Variant(mask_mod=BUILDERS["causal"](1, 4, 0, 0, "cpu")[1]))
+    # sm90, a call of unknown length: the Gluon tier at head dim 128, but with a score_mod from 2048
+    # queries and keys only (tiers.gluon_pays)
+    for k, d, decorator in ((causal, 128, "@gluon.jit"), (kernel, 128, "@triton.jit"), (kernel, 64, "@triton.jit")):
+        src = k.source("fwd", dtype=torch.bfloat16, head_dim=d, target="cuda-sm90")
         assert decorator in src and "def attn_fwd(" in src and "def launch(" in src
         assert "bfloat16" in src and f"head_dim={d}" in src
         compile(src, "<generated>", "exec")  # valid Python

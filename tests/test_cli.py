@@ -72,7 +72,12 @@ def test_show_variant_fwd_and_bwd(capsys, mods):
     compile(fwd, "fwd.py", "exec")  # valid Python
     assert "def attn_fwd(" in fwd and "tanh" in fwd and "importing mods" not in fwd
     assert "importing mods" in err
-    # the tier and why, on stderr (stdout is the source alone): without a GPU, sm90's choice
+    # the tier and why, on stderr (stdout is the source alone): without a GPU, sm90's choice for a
+    # call of unknown length (a score_mod takes the Gluon forward from 2048 queries and keys)
+    assert ("attncc show: the triton tier (head dim 128, an unknown length (< 2048): the Gluon forward measured "
+            "slower (tiers.gluon_pays))") in err, err
+    code, fwd, err = run(capsys, "show", f"{mods}:causal")
+    assert code == 0 and "@gluon.jit" in fwd
     assert "attncc show: the gluon tier (sm90, bfloat16, head dim 128: measured faster)" in err, err
     code, bwd, _ = run(capsys, "show", f"{mods}:variant", "--kernel", "bwd", "--dtype", "fp16", "--head-dim", "64")
     assert code == 0
