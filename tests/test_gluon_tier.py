@@ -262,7 +262,7 @@ offsets = [1024, 513] if kind.endswith("-cp") else []  # Q_OFF, KV_OFF: a chunk 
 if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
     args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 0.125, *offsets]
+            module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4 heads
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                             GROUP=group, WGS=module.WGS, num_warps=4,
                                                             maxnreg=168 if module.WGS == 2 else 128))

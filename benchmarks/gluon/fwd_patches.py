@@ -59,26 +59,13 @@ PATCHES_ARRIVE_FREE = [
     ("        mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n\n",
      "        mbarrier.expect(p.v_empty.index(v_slot), 0)\n\n"),
 ]
-_TILE_ORDER = """    bh = t // p.n_m
-    b = bh // p.H
-    h = bh % p.H
-    m0 = (p.n_m - 1 - (t - bh * p.n_m)) * (p.WGS * p.BLOCK_M)
-"""
+_SECTION = "    return max(1, min(16, _L2[index] // 4 // max(kv_bytes, 1)))\n"
 
 
-def _order_patch(section):
-    """The (batch, head) pairs in sections of ``section`` (an expression of p.n_m), Q tile major
-    inside a section from the last (longest under causal-like masks) tile: FA3/FA4's order for
-    causal (SingleTileLPTScheduler), instead of head after head (the last section may hold fewer)."""
-    return [(_TILE_ORDER, f"""    S = gl.maximum({section}, 1)
-    sec = t // (S * p.n_m)
-    size = gl.minimum(p.n_tiles // p.n_m - sec * S, S)
-    r = t - sec * (S * p.n_m)
-    bh = sec * S + r % size
-    b = bh // p.H
-    h = bh % p.H
-    m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M)
-""")]
+def _section_patch(size):
+    """The forward's tile order (a program per Q tile: causal-like masks) with sections of ``size``
+    (batch, head) pairs instead of the launcher's L2-sized ones; 1 is head after head."""
+    return [(_SECTION, f"    return {size}\n")]
 
 
 PATCHES = {
@@ -95,15 +82,12 @@ PATCHES = {
                  "    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n    return"),
                 ("        p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)\n        o = gl.zeros",
                  "        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n        o = gl.zeros")],
-    # the tile order of a program per Q tile (causal-like masks): FA4's sections of (batch, head)
-    # pairs, fixed sizes or about two waves of tiles a section (132 SMs). A list-scheduling model
-    # (Q tiles of a head cost 2 + their key tiles, masked ones 1.3) has head after head 6.5 % over
-    # the ideal makespan at causal 4x16x4096x128, 5.9 % at 16x16x1024x128, 4.6 % at head dim 64
-    # 4x32x4096, 0.1 % at 1x16x16384x128; sections of two waves 0.4, 1.2, 1.1 and 0.1 %. FA4's L2-sized
-    # sections measured (2026-11-25, H100) causal 4k 0.533 -> 0.520 ms but causal 16k 1.773 -> 1.822
-    "order-s4": _order_patch("4"),
-    "order-s16": _order_patch("16"),
-    "order-2waves": _order_patch("264 // p.n_m"),
+    # the tile order of a program per Q tile (causal-like masks), sections of (batch, head) pairs of
+    # fixed sizes against the launcher's (a quarter of L2 holds their K and V, at most 16: taken on
+    # 2026-11-28, the figures at _section); 1 is the order before, head after head
+    "section-1": _section_patch(1),
+    "section-4": _section_patch(4),
+    "section-16": _section_patch(16),
     "persistent": [("\nPERSISTENT = False", "\nPERSISTENT = True")],  # a program per SM (static order)
     "single": [("\nPERSISTENT = True", "\nPERSISTENT = False")],  # a program per Q tile
     # exp2 of one element in every PACK on the FMA pipes (a cubic for 2^frac, the integer part
