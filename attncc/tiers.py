@@ -23,12 +23,12 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 # benchmarks/gluon/NOTES.md): head dim -> the shortest query and key length.
 #   128: 4x16x4096 full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384 full 3.46 vs 3.90
 #   64:  only with three consumer warp groups (plan.wide_forward: the identity score_mod, a mask
-#        that does not band the keys), from 8k (2026-11-25, Triton / Gluon ms, medians of three
-#        interleaved runs): 1x32x16384 full 4.94 / 4.80, causal 2.65 / 2.35, GQA 4:1 causal
-#        2.60 / 2.42, prefix-LM 2.66 / 2.37; 2x32x8192 full 2.37 / 2.32, causal 1.38 / 1.31, GQA
-#        1.38 / 1.31; at 4x32x4096 it loses (causal 0.74 / 0.75, GQA 0.71 / 0.75, prefix-LM
-#        0.73 / 0.77): at 4k a program of 192 query rows has too few key tiles to amortise its start
-GLUON_PAYS = {128: 0, 64: 8192}
+#        that does not band the keys), from 4k (H200, 2026-11-28, gluon_fwd_probe.py, P rounded in
+#        pairs, Triton / Gluon ms): 4x32x4096 causal 0.764 / 0.702, GQA 4:1 0.731 / 0.692, prefix-LM
+#        0.775 / 0.724; 1x32x16384 causal 2.754 / 2.260; at 16x32x1024 it loses (causal 0.232 /
+#        0.341, prefix-LM 0.371 / 0.398): a program of 192 query rows has too few key tiles to
+#        amortise its start
+GLUON_PAYS = {128: 0, 64: 4096}
 # ... and where no mask cuts the keys (every query tile runs all key tiles: twice a causal tile's
 # work at one length), head dim -> the shortest length (H100, 2026-11-28, benchmarks/tier_ab.py
 # twice, Triton / Gluon ms, full attention at head dim 64): 16x32x1024 0.333 / 0.346, 8x32x2048

@@ -65,19 +65,19 @@ def test_tier_choice(monkeypatch):
                                 "bfloat16", 128, 128, False)
     assert tier == "triton" and "tile product" in reason
     # head dim 64: three consumer warp groups (the identity score_mod, a mask that does not band
-    # the keys), from 8192 queries and keys
-    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=8192)[0] == "gluon"
-    long, short = (torch.zeros(1, 2, n, 64, dtype=torch.bfloat16) for n in (8192, 8191))
+    # the keys), from 4096 queries and keys
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=4096)[0] == "gluon"
+    long, short = (torch.zeros(1, 2, n, 64, dtype=torch.bfloat16) for n in (4096, 4095))
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (long, long, long))[0] == "gluon"
     for tensors in [(long, short, short), (short, long, long)]:
         tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, tensors)
-        assert tier == "triton" and "8191 queries or keys (< 8192)" in reason, reason
+        assert tier == "triton" and "4095 queries or keys (< 4096)" in reason, reason
     # ... and from 2048 where no mask cuts the keys (every query tile runs all key tiles)
     full = attncc.Variant()
     assert tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2048)[0] == "gluon"
     tier, reason = tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2047)
     assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
-    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=4096)[0] == "triton"
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=2048)[0] == "triton"
     # ... and at head dim 128 a score_mod other than the identity from 2048
     for name in ("alibi", "softcap"):
         assert tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2048)[0] == "gluon"

@@ -92,10 +92,10 @@ def test_gluon_fully_masked_rows_and_blhd_views(dt, D, monkeypatch):
 @pytest.mark.parametrize("name", ["causal", "full"])
 def test_auto_tier_picks_the_wide_gluon_forward_for_long_sequences(name, monkeypatch):
     """With no ATTNCC_TIER, head dim 64 runs the Gluon forward with three consumer warp groups from
-    8192 queries and keys, 2048 without a mask (tiers.gluon_pays), and the Triton tier's below."""
+    4096 queries and keys, 2048 without a mask (tiers.gluon_pays), and the Triton tier's below."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     torch.manual_seed(11)
-    shortest = 8192 if name == "causal" else 2048
+    shortest = 4096 if name == "causal" else 2048
     for L, tier in ((shortest, "gluon"), (shortest - 1, "triton")):
         score_mod, mask_mod = BUILDERS[name](1, 2, L, L, "cuda")
         q, k, v = (torch.randn(1, 2, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))

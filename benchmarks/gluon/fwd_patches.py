@@ -1,13 +1,14 @@
 """Text patches of the rendered Gluon forward (templates/sm90/attn_fwd.py.jinja) that
 gluon_fwd_probe.py times against the kernel as rendered: name -> [(old text, new text)]. Each
-was measured on an H100 (benchmarks/gluon/NOTES.md) unless its comment says it waits for a GPU;
-none is in the template but cvt-pairs, where it won (cvt-one undoes it there).
+was measured on an H100 or H200 (benchmarks/gluon/NOTES.md) unless its comment says it waits for
+a GPU; those that won went into the template (P rounded in pairs, the tile order's sections), and
+cvt-one and section-1 undo them.
 tests/test_gluon_tier.py checks that every old text still occurs once in the rendered kernels."""
 
 
 # old texts that only some kernels render (a flag set either way, P's rounding either way, the third
 # consumer warp group at head dim 64): the probe and tests/test_gluon_tier.py let them be missing
-OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))")
+OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))", "        valid = ")
 
 RESCALE = "gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)"
 
@@ -42,8 +43,6 @@ def _exp2_mix(x):
 
 
 # name -> [(old text, new text)] applied to the rendered source
-_PAIRS = ('gl.convert_layout(gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [probs], '
-          'dtype=gl.bfloat16, is_pure=True, pack=2), p_layout)')
 # arrive-free's edits (arrive-free-split takes those that do not pass the GEMM turn)
 PATCHES_ARRIVE_FREE = [
     ("    mbarrier.arrive(p.sched.index((WG + 1) % p.WGS), count=1)  # round robin",
@@ -72,16 +71,24 @@ PATCHES = {
     "base": [],
     # P rounded to bf16 a pair of columns at a time (one cvt.rn.bf16x2 a register of the P V product's
     # A operand) instead of one by one, which ptxas pairs in the opposite order and swaps back (64 PRMT
-    # a key step at head dim 128: 536 -> 485 instructions). H100, in turn, ms base / cvt-pairs: full
-    # 1x16x16384x128 3.432 / 3.556, causal 1.744 / 1.809; 1x32x16384x64 full 4.513 / 4.132 (fewer
-    # spills), causal 2.259 / 2.297: taken where it won (plan.probs_in_pairs: three warp groups, keys
-    # unbounded, bf16), whose kernels cvt-one turns back
-    "cvt-pairs": [("    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n", f"    p_op = {_PAIRS}\n"),
-                  ("        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n", f"        p_op = {_PAIRS}\n")],
+    # a key step at head dim 128: 536 -> 485 instructions). H100, in turn, ms one by one / in pairs:
+    # full 1x16x16384x128 3.432 / 3.556, causal 1.744 / 1.809 (before the row max tree);
+    # 1x32x16384x64 full 4.513 / 4.132 (fewer spills), causal 2.259 / 2.297; H200 (2026-11-28) head
+    # dim 64 causal 4x32x4096 0.754 / 0.702, 1x32x16384 2.428 / 2.260: every bf16 kernel rounds in
+    # pairs since (plan.probs_in_pairs); cvt-one turns it back
     "cvt-one": [("    p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)\n    return",
                  "    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n    return"),
                 ("        p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)\n        o = gl.zeros",
                  "        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n        o = gl.zeros")],
+    # the causal mask as one compare a score against the row's end relative to the key tile (FA4's
+    # form: ptxas otherwise compares every score with the keys' end and the row's end, two FSEL each):
+    # masked step 727 -> 630 instructions at head dim 64, but 64 bytes of stack (the columns kept
+    # across the loop); H200, P in pairs / + mask-rel: causal 4x32x4096x64 0.706 / 0.707, 16k
+    # 2.320 / 2.327. Not taken. Written as kv_idx < min(q_idx + 1, N_CTX_KV) the compares were
+    # kept packed into bits (825 instructions)
+    "mask-rel": [("        valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)\n",
+                  "        valid = gl.expand_dims(gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0) < "
+                  "(gl.minimum(q_idx + 1, p.N_CTX_KV) - kb * p.BLOCK_N)\n")],
     # the tile order of a program per Q tile (causal-like masks), sections of (batch, head) pairs of
     # fixed sizes against the launcher's (a quarter of L2 holds their K and V, at most 16: taken on
     # 2026-11-28, the figures at _section); 1 is the order before, head after head
