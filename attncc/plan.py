@@ -222,13 +222,13 @@ class KernelPlan:
     # (a chunk of a longer sequence, attncc.distributed): mods and tile bounds see positions, loads
     # and stores the chunk's rows. The Triton tier takes them always (and ignores this)
     offsets: bool = False
-    # Gluon forward: P rounded to bfloat16 two columns at a time (one cvt.rn.bf16x2.f32 per register
-    # of the P V product's A operand) in every bf16 kernel: ptxas rounds them one by one, pairs the
-    # halves the other way round and swaps them back (64 PRMT a key step: 491 -> 427 instructions at
-    # head dim 64). H200, in turn (benchmarks/gluon/gluon_fwd_probe.py, 2026-11-28), ms:
-    # head dim 64 causal 4x32x4096 0.754 -> 0.702, 1x32x16384 2.428 -> 2.260, GQA 4:1 0.734 ->
-    # 0.692, prefix-LM 0.771 -> 0.724 (H100, 2026-11-25: full 1x32x16384 4.513 -> 4.132); at head
-    # dim 128 with the row max as a tree (below; without it, full 1x16x16384 3.432 -> 3.556)
+    # Gluon forward: P rounded to bfloat16 or float16 two columns at a time (one cvt.rn.bf16x2.f32 or
+    # f16x2 per register of the P V product's A operand) in every kernel: ptxas rounds them one by
+    # one, pairs the halves the other way round and swaps them back (64 PRMT a key step: 491 -> 427
+    # instructions at head dim 64). H200, in turn (benchmarks/gluon/gluon_fwd_probe.py, 2026-11-28),
+    # bf16 ms: head dim 64 causal 4x32x4096 0.754 -> 0.702, 1x32x16384 2.428 -> 2.260, GQA 4:1
+    # 0.734 -> 0.692, prefix-LM 0.771 -> 0.724 (H100, 2026-11-25: full 1x32x16384 4.513 -> 4.132);
+    # at head dim 128 with the row max as a tree (below; without it, full 1x16x16384 3.432 -> 3.556)
     probs_in_pairs: bool = False
     # Gluon forward, two consumer warp groups: each thread's part of the row max as a tree over the
     # key columns it holds (Triton reduces them as one chain of 31 dependent FMNMX at head dim 128,
@@ -401,7 +401,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     mask_class = _mask_class(f, fwd_bounds)
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
     row_max_tree = kernel == "fwd" and gluon and not three
-    probs_in_pairs = spec.dtype == "bfloat16" and (row_max_tree or three)
+    probs_in_pairs = spec.dtype in ("bfloat16", "float16") and (row_max_tree or three)
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f,

@@ -74,11 +74,11 @@ PATCHES = {
     # a key step at head dim 128: 536 -> 485 instructions). H100, in turn, ms one by one / in pairs:
     # full 1x16x16384x128 3.432 / 3.556, causal 1.744 / 1.809 (before the row max tree);
     # 1x32x16384x64 full 4.513 / 4.132 (fewer spills), causal 2.259 / 2.297; H200 (2026-11-28) head
-    # dim 64 causal 4x32x4096 0.754 / 0.702, 1x32x16384 2.428 / 2.260: every bf16 kernel rounds in
-    # pairs since (plan.probs_in_pairs); cvt-one turns it back
-    "cvt-one": [("    p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)\n    return",
+    # dim 64 causal 4x32x4096 0.754 / 0.702, 1x32x16384 2.428 / 2.260: every kernel rounds in pairs
+    # since (plan.probs_in_pairs; float16 too: 64 PRMT a step there as well); cvt-one turns it back
+    "cvt-one": [("    p_op = gl.convert_layout(_round_pairs(probs), p_layout)\n    return",
                  "    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n    return"),
-                ("        p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)\n        o = gl.zeros",
+                ("        p_op = gl.convert_layout(_round_pairs(probs), p_layout)\n        o = gl.zeros",
                  "        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n        o = gl.zeros")],
     # the causal mask as one compare a score against the row's end relative to the key tile (FA4's
     # form: ptxas otherwise compares every score with the keys' end and the row's end, two FSEL each):

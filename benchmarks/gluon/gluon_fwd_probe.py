@@ -1,10 +1,10 @@
 """Probe the Gluon forward (templates/sm90/attn_fwd.py.jinja) on a Hopper GPU: render it for a
 variant, apply text patches of its launcher's knobs, and time each patched kernel against the
-unpatched one and the Triton tier's forward in one process (do_bench medians, bf16), with the
+unpatched one and the Triton tier's forward in one process (do_bench medians, bf16 or --dtype), with the
 largest error of each output against the Triton tier's.
 
     python benchmarks/gluon/gluon_fwd_probe.py [--shapes BxHxNxD,...] [--only full,causal] [--patches base,rescale-early]
-        [--peer fa4] [--rep MS] [--rounds R]
+        [--peer fa4] [--rep MS] [--rounds R] [--dtype float16]
 
 The kernel is what the plan renders for the variant (three consumer warp groups where
 plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md).
@@ -28,6 +28,7 @@ def main():
     p.add_argument("--shapes", default="4x32x4096x64,1x32x16384x64")
     p.add_argument("--only", default="full,causal,sliding_window_1024")
     p.add_argument("--patches", default="base")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--peer", default="", help="also time one of bench.py's systems in turn (fa4, flex-flash)")
     p.add_argument("--rep", type=int, default=200, help="do_bench time per measurement, ms")
     p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times "
@@ -46,11 +47,12 @@ def main():
         for name in args.only.split(","):
             case = cases[name]
             variant = attncc.Variant(case.score_mod, case.mask_mod)
-            fwd_plan = plan.build("fwd", variant.analysis, Spec("bfloat16", D, D, case.gqa, "cuda-sm90", tier="gluon"),
+            fwd_plan = plan.build("fwd", variant.analysis, Spec(args.dtype, D, D, case.gqa, "cuda-sm90", tier="gluon"),
                                   variant.captures)
             g = torch.Generator(device="cuda").manual_seed(0)
-            q = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(B, H // case.gqa, N, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            dtype = getattr(torch, args.dtype)
+            q = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=dtype)
+            k, v = (torch.randn(B, H // case.gqa, N, D, generator=g, device="cuda", dtype=dtype) for _ in range(2))
             caps = [c.tensor for c in variant.captures]
             kernel = attncc.compile(variant)
             want = kernel(q, k, v, enable_gqa=case.gqa > 1)

@@ -274,6 +274,14 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, cap0_0, cap0_ptr, 
 
 
 @gluon.jit
+def _round_pairs(x):
+    """x rounded to float16 two columns at a time, one cvt.rn.f16x2.f32 per register of the P V
+    product's A operand (plan.probs_in_pairs: ptxas pairs them the other way round otherwise)."""
+    return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
 def _kv_step(p: Pipeline, WG: gl.constexpr, it, g0, turn, kb, o, p_op, alpha, m_i, l_i, q_smem, s_zero,
              b, h, q_idx, cap0_0, cap0_ptr, cap0_size0, cap0_stride0, o_layout: gl.constexpr, p_layout: gl.constexpr, MASKED: gl.constexpr):
     """Key tile kb at ring position g0 + it: issue S = Q K^T, then O += P V of the previous tile,
@@ -295,7 +303,7 @@ def _kv_step(p: Pipeline, WG: gl.constexpr, it, g0, turn, kb, o, p_op, alpha, m_
     o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))
     mbarrier.arrive(p.v_empty.index(v_slot), count=1)
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)
+    p_op = gl.convert_layout(_round_pairs(probs), p_layout)
     return o, p_op, alpha, m_i, l_i
 
 
@@ -340,7 +348,7 @@ def consumer(p: Pipeline, WG: gl.constexpr, cap0_ptr, cap0_size0, cap0_stride0):
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         kb = _block(0, hi, full_lo, full_hi, n_hi, n_masked)
         probs, m_i, l_i, alpha = _softmax_step(p, qk, m_i, l_i, kb, b, h, q_idx, cap0_0, cap0_ptr, cap0_size0, cap0_stride0, True)
-        p_op = gl.convert_layout(probs.to(dtype), p_layout)
+        p_op = gl.convert_layout(_round_pairs(probs), p_layout)
         o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
         for it in range(1, n_masked):  # key tiles the mask cuts (and a ragged last one)

@@ -251,7 +251,7 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, MASKED: gl.constex
 
 
 @gluon.jit
-def _bf16_pairs(x):
+def _round_pairs(x):
     """x rounded to bfloat16 two columns at a time, one cvt.rn.bf16x2.f32 per register of the P V
     product's A operand (plan.probs_in_pairs: ptxas pairs them the other way round otherwise)."""
     return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
@@ -280,7 +280,7 @@ def _kv_step(p: Pipeline, WG: gl.constexpr, it, g0, turn, kb, o, p_op, alpha, m_
     o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))
     mbarrier.arrive(p.v_empty.index(v_slot), count=1)
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)
+    p_op = gl.convert_layout(_round_pairs(probs), p_layout)
     return o, p_op, alpha, m_i, l_i
 
 
@@ -323,7 +323,7 @@ def consumer(p: Pipeline, WG: gl.constexpr):
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         kb = _block(0, hi, full_lo, full_hi, n_hi, n_masked)
         probs, m_i, l_i, alpha = _softmax_step(p, qk, m_i, l_i, kb, b, h, q_idx, True)
-        p_op = gl.convert_layout(_bf16_pairs(probs), p_layout)
+        p_op = gl.convert_layout(_round_pairs(probs), p_layout)
         o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
         for it in range(1, n_masked):  # key tiles the mask cuts (and a ragged last one)
