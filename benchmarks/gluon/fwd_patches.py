@@ -7,7 +7,8 @@ tests/test_gluon_tier.py checks that every old text still occurs once in the ren
 
 
 # old texts that only some kernels render (a flag set either way, P's rounding either way, the third
-# consumer warp group at head dim 64): the probe and tests/test_gluon_tier.py let them be missing
+# consumer warp group at head dim 64, one mask's compares): the probe and tests/test_gluon_tier.py
+# let them be missing
 OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))", "        valid = ")
 
 RESCALE = "gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)"
