@@ -207,6 +207,12 @@ class KernelPlan:
     # at head dim 128 (H200, triton 3.6). Needs tile bounds that do not depend on h; data-dependent
     # masks keep the loop over heads (it spilled less there).
     flat_group: bool = False
+    # Gluon forward, GQA: the query heads of a K/V head packed into a tile's rows (FA4's pack_gqa),
+    # PACK of them (1: one query head a tile). Row r of a warp group's BLOCK_M is query position
+    # r // PACK of head r % PACK, so one K/V tile serves PACK heads and a tile spans BLOCK_M / PACK
+    # positions (less of a causal tile past the diagonal). Needs mods that do not read h and a
+    # group dividing the warp group's rows
+    pack_gqa: int = 1
     # fwd: keys up to which the launch takes the smaller tiles["attn_fwd_short"] (0: never), see
     # short_kv below
     short_kv: int = 0
@@ -402,6 +408,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
     row_max_tree = kernel == "fwd" and gluon and not three
     probs_in_pairs = spec.dtype in ("bfloat16", "float16") and (row_max_tree or three)
+    packs = (kernel == "fwd" and gluon and spec.group > 1 and 64 % spec.group == 0 and not spec.offsets
+             and not block_sparse and "h" not in f.mask_reads and "h" not in f.score_reads)
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f,
@@ -438,6 +446,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton",
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
         offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree,
+        pack_gqa=spec.group if packs else 1,
         band=_band(keep) if kernel == "fwd" and gluon and keep is not None else 0)
 
 

@@ -176,6 +176,7 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
 SNAPSHOTS = Path(__file__).parent / "snapshots" / "sm90"
 SNAPSHOT_CASES = [("fwd", "causal", 128, 1, "bfloat16"), ("fwd", "full", 64, 1, "bfloat16"),  # two / three warp groups
                   ("fwd", "alibi", 128, 4, "float16"),  # a captured tensor, GQA
+                  ("fwd", "causal", 64, 4, "bfloat16"),  # GQA's query heads packed into the tile (plan.pack_gqa)
                   ("bwd", "softcap", 128, 1, "bfloat16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
                   ("fwd-cp", "causal", 128, 1, "bfloat16"), ("bwd-cp", "prefix_lm", 128, 1, "bfloat16")]
 
@@ -261,10 +262,11 @@ def compile_for_sm90(fn, args, kwargs):
 offsets = [1024, 513] if kind.endswith("-cp") else []  # Q_OFF, KV_OFF: a chunk of a longer sequence
 if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
-    args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4 heads
+    pack = module.PACK  # query heads packed into a tile's rows (GQA)
+    args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
+            module._descriptor(out, block_m, pack), rows, *caps, H, B * H // pack, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                                                            GROUP=group, WGS=module.WGS, num_warps=4,
+                                                            GROUP=group, WGS=module.WGS, PACK=pack, num_warps=4,
                                                             maxnreg=168 if module.WGS == 2 else 128))
 else:
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_bwd"]

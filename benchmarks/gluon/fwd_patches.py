@@ -251,12 +251,12 @@ PATCHES["dynamic"] = [
     ("""    tile_i = 0
     for t in range(gl.program_id(0), p.n_tiles, gl.num_programs(0)):
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        q_row0 = m0 + WG * BLOCK_M
+        q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
 """, """    tile_i = 0
     t = _take_tile(tile_smem, tile_ready, tile_empty, 0)
     while t < p.n_tiles:
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        q_row0 = m0 + WG * BLOCK_M
+        q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
 """),
     ("""        turn += n_blocks + 1
         tile_i += 1
@@ -279,8 +279,8 @@ PATCHES["dynamic"] = [
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
         nxt = t
 """),
-    ("""                    _tma_load(p.q_desc, [b, h, m0 + w * BLOCK_M, 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
-""", """                    _tma_load(p.q_desc, [b, h, m0 + w * BLOCK_M, 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
+    ("""                    _tma_load(p.q_desc, [b, h, m0 + w * (BLOCK_M // p.PACK), 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
+""", """                    _tma_load(p.q_desc, [b, h, m0 + w * (BLOCK_M // p.PACK), 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
                 nxt = gl.num_programs(0) + gl.atomic_add(TILE_CTR, 1)  # its latency under this tile's loads
 """),
     ("""        g0 += n_blocks
@@ -306,7 +306,7 @@ PATCHES["dynamic"] = [
     ("        (consumer, (p, 0)),", "        (consumer, (p, 0, tile_smem, tile_ready, tile_empty)),"),
     ("        (consumer, (p, 1)),", "        (consumer, (p, 1, tile_smem, tile_ready, tile_empty)),"),
     ("        (producer, (p, )),", "        (producer, (p, TILE_CTR, tile_smem, tile_ready, tile_empty)),"),
-    ("        _descriptor(out, 64), lse,\n", "        _descriptor(out, 64), lse, torch.zeros(1, dtype=torch.int32, device=q.device),\n"),
+    ("        _descriptor(out, 64, PACK), lse,\n", "        _descriptor(out, 64, PACK), lse, torch.zeros(1, dtype=torch.int32, device=q.device),\n"),
     ("    if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:", "    if True:  # dynamic tiles"),
 ]
 # three consumer warp groups (head dim 64)

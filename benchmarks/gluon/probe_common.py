@@ -9,6 +9,8 @@ PLAN_PATCHES = {
     "mask-expr": {"row_keep": None},
     # the forward's row max as Triton's one chain per row, P rounded one by one (before the tree)
     "max-chain": {"row_max_tree": False, "probs_in_pairs": False},
+    # the forward under GQA with one query head a tile (before plan.pack_gqa)
+    "no-pack": {"pack_gqa": 1},
 }
 
 
