@@ -234,7 +234,8 @@ class KernelPlan:
     # relative to the thread's first key (templates/sm90/attn_fwd.py.jinja), one immediate compare
     # and one FSEL a score; False: compared as kv_idx (two FSEL a score). Prepared 2026-11-28,
     # SASS only (masked step, causal: 792 -> 627 instructions at head dim 128, 725 -> 565 at 64;
-    # sliding window 815 -> 757 and 757 -> 699), not timed yet
+    # sliding window 815 -> 757 and 757 -> 699), not timed yet. The backward's step in this form
+    # spilled (head dim 64 causal: 168 bytes of stack, 892 instructions against 883)
     lane_compares: bool = False
     # Gluon forward, two consumer warp groups: each thread's part of the row max as a tree over the
     # key columns it holds (Triton reduces them as one chain of 31 dependent FMNMX at head dim 128,
