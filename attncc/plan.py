@@ -236,6 +236,13 @@ class KernelPlan:
     # 0.734 -> 0.692, prefix-LM 0.771 -> 0.724 (H100, 2026-11-25: full 1x32x16384 4.513 -> 4.132);
     # at head dim 128 with the row max as a tree (below; without it, full 1x16x16384 3.432 -> 3.556)
     probs_in_pairs: bool = False
+    # Gluon forward, masks kept as row intervals (row_keep): masked steps compare each score's column
+    # relative to the thread's first key (templates/sm90/attn_fwd.py.jinja), one immediate compare
+    # and one FSEL a score; False: compared as kv_idx (two FSEL a score). Prepared 2026-11-28,
+    # SASS only (masked step, causal: 792 -> 627 instructions at head dim 128, 725 -> 565 at 64;
+    # sliding window 815 -> 757 and 757 -> 699), not timed yet. The backward's step in this form
+    # spilled (head dim 64 causal: 168 bytes of stack, 892 instructions against 883)
+    lane_compares: bool = False
     # Gluon forward, two consumer warp groups: each thread's part of the row max as a tree over the
     # key columns it holds (Triton reduces them as one chain of 31 dependent FMNMX at head dim 128,
     # on the softmax's path while the other warp group's products run). H100, five rounds in turn,
@@ -447,6 +454,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
         offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree,
         pack_gqa=spec.group if packs else 1,
+        lane_compares=kernel == "fwd" and gluon,
         band=_band(keep) if kernel == "fwd" and gluon and keep is not None else 0)
 
 

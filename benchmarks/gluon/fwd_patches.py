@@ -7,9 +7,8 @@ tests/test_gluon_tier.py checks that every old text still occurs once in the ren
 
 
 # old texts that only some kernels render (a flag set either way, P's rounding either way, the third
-# consumer warp group at head dim 64, one mask's compares): the probe and tests/test_gluon_tier.py
-# let them be missing
-OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))", "        valid = ")
+# consumer warp group at head dim 64): the probe and tests/test_gluon_tier.py let them be missing
+OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))")
 
 RESCALE = "gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)"
 
@@ -81,15 +80,6 @@ PATCHES = {
                  "    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n    return"),
                 ("        p_op = gl.convert_layout(_round_pairs(probs), p_layout)\n        o = gl.zeros",
                  "        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n        o = gl.zeros")],
-    # the causal mask as one compare a score against the row's end relative to the key tile (FA4's
-    # form: ptxas otherwise compares every score with the keys' end and the row's end, two FSEL each):
-    # masked step 727 -> 630 instructions at head dim 64, but 64 bytes of stack (the columns kept
-    # across the loop); H200, P in pairs / + mask-rel: causal 4x32x4096x64 0.706 / 0.707, 16k
-    # 2.320 / 2.327. Not taken. Written as kv_idx < min(q_idx + 1, N_CTX_KV) the compares were
-    # kept packed into bits (825 instructions)
-    "mask-rel": [("        valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)\n",
-                  "        valid = gl.expand_dims(gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0) < "
-                  "(gl.minimum(q_idx + 1, p.N_CTX_KV) - kb * p.BLOCK_N)\n")],
     # the tile order of a program per Q tile (causal-like masks), sections of (batch, head) pairs of
     # fixed sizes against the launcher's (a quarter of L2 holds their K and V, at most 16: taken on
     # 2026-11-28, the figures at _section); 1 is the order before, head after head

@@ -11,6 +11,8 @@ PLAN_PATCHES = {
     "max-chain": {"row_max_tree": False, "probs_in_pairs": False},
     # the forward under GQA with one query head a tile (before plan.pack_gqa)
     "no-pack": {"pack_gqa": 1},
+    # the forward's masked steps compare kv_idx with the row's ends (before plan.lane_compares)
+    "mask-kv": {"lane_compares": False},
 }
 
 
