@@ -207,7 +207,7 @@ def test_gluon_forward_tile_order_takes_every_tile_once(pack, tmp_path):
                 assert m0 == (n_m - 1 - r // size) * bq, (B, H, n_m, section, t)  # the longest (last) tiles first
     if pack > 1:
         return
-    module._L2[0] = 50 * 2 ** 20  # an H100's L2, as torch would report it
+    module._PROPS[0] = SimpleNamespace(L2_cache_size=50 * 2 ** 20)  # an H100's L2, as torch would report it
     cuda0 = torch.device("cuda", 0)
     assert module._section(cuda0, 2 * 4096 * 128 * 2) == 6  # 4k keys at head dim 128: 2 MiB a head
     assert module._section(cuda0, 2 * 16384 * 128 * 2) == 1  # 16k: 8 MiB, head after head

@@ -58,7 +58,7 @@ PATCHES_ARRIVE_FREE = [
     ("        mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n\n",
      "        mbarrier.expect(p.v_empty.index(v_slot), 0)\n\n"),
 ]
-_SECTION = "    return max(1, min(16, _L2[index] // 4 // max(kv_bytes, 1)))\n"
+_SECTION = "    return max(1, min(16, _props(device).L2_cache_size // 4 // max(kv_bytes, 1)))\n"
 
 
 def _section_patch(size):

@@ -79,7 +79,7 @@ def _sigmoid(x):
 
 # host side, shared by the launchers
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_SMS: dict = {}
+_PROPS: dict = {}  # device index -> torch.cuda.get_device_properties (host side)
 _LAYOUTS: dict = {}  # (rows, pack, head dim, dtype) -> the boxes' shared-memory layout (6 us to build, per call)
 
 
@@ -97,12 +97,18 @@ def _descriptor(t, rows, pack=1):
     return TensorDescriptor.from_tensor(t, box, layout)
 
 
-def _sm_count(device) -> int:
-    """The streaming multiprocessors of a CUDA device (cached per device; host side)."""
+def _props(device):
+    """The properties of a CUDA device (cached per device; host side): multi_processor_count,
+    L2_cache_size, ..."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    if index not in _PROPS:
+        _PROPS[index] = torch.cuda.get_device_properties(index)
+    return _PROPS[index]
+
+
+def _sm_count(device) -> int:
+    """The streaming multiprocessors of a CUDA device."""
+    return _props(device).multi_processor_count
 
 
 

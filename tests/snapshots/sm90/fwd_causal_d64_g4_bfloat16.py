@@ -79,7 +79,7 @@ def _sigmoid(x):
 
 # host side, shared by the launchers
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_SMS: dict = {}
+_PROPS: dict = {}  # device index -> torch.cuda.get_device_properties (host side)
 _LAYOUTS: dict = {}  # (rows, pack, head dim, dtype) -> the boxes' shared-memory layout (6 us to build, per call)
 
 
@@ -97,12 +97,18 @@ def _descriptor(t, rows, pack=1):
     return TensorDescriptor.from_tensor(t, box, layout)
 
 
-def _sm_count(device) -> int:
-    """The streaming multiprocessors of a CUDA device (cached per device; host side)."""
+def _props(device):
+    """The properties of a CUDA device (cached per device; host side): multi_processor_count,
+    L2_cache_size, ..."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    if index not in _PROPS:
+        _PROPS[index] = torch.cuda.get_device_properties(index)
+    return _PROPS[index]
+
+
+def _sm_count(device) -> int:
+    """The streaming multiprocessors of a CUDA device."""
+    return _props(device).multi_processor_count
 
 
 
@@ -497,10 +503,4 @@ def _section(device, kv_bytes):
     1.743, 0.650, 0.610): 4x16x4096x128 0.520 / 0.508 / 0.510, GQA 4:1 0.508 / 0.501 / 0.494;
     1x16x16384x128 1.816 / 1.827 / 1.905 (16 heads' K and V, 128 MiB, outgrow L2), GQA 4:1 1.795 /
     1.798 / 1.788; head dim 64, 4x32x4096 0.757 / 0.747 / 0.736, GQA 4:1 0.754 / 0.739 / 0.725."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _L2:
-        _L2[index] = torch.cuda.get_device_properties(index).L2_cache_size
-    return max(1, min(16, _L2[index] // 4 // max(kv_bytes, 1)))
-
-
-_L2: dict = {}  # device -> its L2 cache's bytes
+    return max(1, min(16, _props(device).L2_cache_size // 4 // max(kv_bytes, 1)))
