@@ -184,6 +184,9 @@ def test_gluon_forward_tile_order_takes_every_tile_once(pack, tmp_path):
     variant = _variant("causal", H=2 * pack)
     built = plan.build("fwd", variant.analysis, Spec("bfloat16", 64, 64, pack, "cuda-sm90", tier="gluon"), variant.captures)
     assert built.pack_gqa == pack
+    narrow = plan.build("fwd", variant.analysis, Spec("bfloat16", 128, 128, pack, "cuda-sm90", tier="gluon"),
+                        variant.captures)
+    assert narrow.pack_gqa == 1 and built.lane_compares and not narrow.lane_compares  # two warp groups: slower so
     source = codegen.render(built)
     path = tmp_path / "fwd.py"
     path.write_text(source)

@@ -78,6 +78,19 @@ def test_tier_choice(monkeypatch):
     tier, reason = tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2047)
     assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=2048)[0] == "triton"
+    # ... and from 2048 where GQA's query heads share the tiles (plan.packs_gqa: a group dividing 64,
+    # a mask that does not read h; not on chunks of a longer sequence)
+    q, kv = torch.zeros(1, 8, 2048, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 2048, 64, dtype=torch.bfloat16)
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))[0] == "gluon"
+    assert tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))[0] == "triton"
+    by_head = attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (h < 4))
+    assert tiers.choose(by_head, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))[0] == "triton"
+    q6, kv2 = torch.zeros(1, 6, 2048, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 2048, 64, dtype=torch.bfloat16)
+    tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q6, kv2, kv2))  # 3 does not divide 64
+    assert tier == "triton" and "2048 queries or keys (< 4096)" in reason, reason
+    q, kv = q[:, :, :2047], kv[:, :, :2047]
+    tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))
+    assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
     # ... and at head dim 128 a score_mod other than the identity from 2048
     for name in ("alibi", "softcap"):
         assert tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2048)[0] == "gluon"

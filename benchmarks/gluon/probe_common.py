@@ -13,6 +13,8 @@ PLAN_PATCHES = {
     "no-pack": {"pack_gqa": 1},
     # the forward's masked steps compare kv_idx with the row's ends (before plan.lane_compares)
     "mask-kv": {"lane_compares": False},
+    # ... and relative to the thread's first key with two warp groups too (measured slower at 16k)
+    "mask-lane": {"lane_compares": True},
 }
 
 

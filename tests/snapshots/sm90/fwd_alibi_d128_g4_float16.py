@@ -277,10 +277,7 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, cap0_0, cap0_ptr, 
         # accumulator gives a thread the columns 8 k + 2 (lane % 4) + i: cols - lane are constants,
         # so each compare takes an immediate and one FSEL follows (FA4's form; SASS, causal at head
         # dim 64: 727 -> 565 instructions a masked step; compared with kv_idx, two FSEL a score)
-        cols = gl.expand_dims(gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0)
-        lane = cols & 6
-        key0 = kb * p.BLOCK_N + lane  # the thread's first key
-        valid = (cols - lane) < gl.minimum(q_idx + 1, p.N_CTX_KV) - key0
+        valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)
         s = gl.where(valid, score_mod * 1.4426950408889634, -float("inf"))
     else:
         s = score_mod * 1.4426950408889634  # score_mod, in log2 units

@@ -274,10 +274,7 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, MASKED: gl.constex
         # accumulator gives a thread the columns 8 k + 2 (lane % 4) + i: cols - lane are constants,
         # so each compare takes an immediate and one FSEL follows (FA4's form; SASS, causal at head
         # dim 64: 727 -> 565 instructions a masked step; compared with kv_idx, two FSEL a score)
-        cols = gl.expand_dims(gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0)
-        lane = cols & 6
-        key0 = kb * p.BLOCK_N + lane  # the thread's first key
-        valid = (cols - lane) < gl.minimum(q_idx + 1, p.N_CTX_KV) - key0
+        valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)
         qk = gl.where(valid, qk, -float("inf"))
     # the scale is positive: max(qk * qk_scale) = max(qk) * qk_scale, and p costs one FMA and one exp2
     qk_scale = p.sm_scale * 1.4426950408889634
