@@ -207,6 +207,11 @@ class KernelPlan:
     # at head dim 128 (H200, triton 3.6). Needs tile bounds that do not depend on h; data-dependent
     # masks keep the loop over heads (it spilled less there).
     flat_group: bool = False
+    # Gluon forward, GQA: the query heads of a K/V head packed into a tile's rows (FA4's pack_gqa),
+    # PACK of them (1: one query head a tile). Row r of a warp group's BLOCK_M is query position
+    # r // PACK of head r % PACK, so one K/V tile serves PACK heads and a tile spans BLOCK_M / PACK
+    # positions (less of a causal tile past the diagonal). Where: packs_gqa
+    pack_gqa: int = 1
     # fwd: keys up to which the launch takes the smaller tiles["attn_fwd_short"] (0: never), see
     # short_kv below
     short_kv: int = 0
@@ -230,6 +235,16 @@ class KernelPlan:
     # 0.734 -> 0.692, prefix-LM 0.771 -> 0.724 (H100, 2026-11-25: full 1x32x16384 4.513 -> 4.132);
     # at head dim 128 with the row max as a tree (below; without it, full 1x16x16384 3.432 -> 3.556)
     probs_in_pairs: bool = False
+    # Gluon forward, three consumer warp groups (head dim 64), masks kept as row intervals
+    # (row_keep): masked steps compare each score's column relative to the thread's first key
+    # (templates/sm90/attn_fwd.py.jinja), one immediate compare and one FSEL a score; False: compared
+    # as kv_idx (two FSEL a score). SASS, masked step: causal 725 -> 565 instructions at head dim 64
+    # (792 -> 627 at 128), no stack. H200, in turn (gluon_fwd_probe.py, 2026-11-28), ms lane / kv
+    # compares: head dim 64 causal 4x32x4096 0.700 / 0.708, prefix-LM 0.712 / 0.735; at head dim 128
+    # equal at 4k and 0.8-1.3 % slower at 16k (causal 1.798 / 1.783, prefix-LM 1.839 / 1.815, five
+    # rounds), so two warp groups keep kv compares. The backward's step in this form spilled (head
+    # dim 64 causal: 168 bytes of stack, 892 instructions against 883)
+    lane_compares: bool = False
     # Gluon forward, two consumer warp groups: each thread's part of the row max as a tree over the
     # key columns it holds (Triton reduces them as one chain of 31 dependent FMNMX at head dim 128,
     # on the softmax's path while the other warp group's products run). H100, five rounds in turn,
@@ -340,6 +355,17 @@ def wide_forward(facts, mask_class: str, head_dim: int) -> bool:
     return head_dim == 64 and facts.score_identity and mask_class != "banded"
 
 
+def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) -> bool:
+    """Whether the Gluon forward packs a GQA group's query heads into a tile's rows (pack_gqa): with
+    three consumer warp groups (head dim 64), mods that do not read h and a group dividing 64. H200,
+    in turn (benchmarks/gluon/gluon_fwd_probe.py, 2026-11-28), GQA 4:1 causal ms packed / one head a
+    tile: head dim 64 4x32x4096 0.631 / 0.678, 1x32x16384 2.163 / 2.242, 8x32x2048 0.370 / 0.410;
+    head dim 128 (two warp groups, 16 positions of 4 heads each) 4x16x4096 0.494 / 0.482,
+    1x16x16384 1.783 / 1.740, 16x16x1024 0.177 / 0.171: not there."""
+    return (group > 1 and 64 % group == 0 and not offsets and wide_forward(facts, mask_class, head_dim)
+            and "h" not in facts.mask_reads)
+
+
 def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPlan:
     """The plan for the forward ('fwd') or backward ('bwd') kernels of a variant under a Spec."""
     f = analysis.facts
@@ -402,6 +428,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
     row_max_tree = kernel == "fwd" and gluon and not three
     probs_in_pairs = spec.dtype in ("bfloat16", "float16") and (row_max_tree or three)
+    packs = kernel == "fwd" and gluon and not block_sparse and packs_gqa(f, mask_class, spec.head_dim, spec.group,
+                                                                         spec.offsets)
     if block_sparse and kernel == "fwd":
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f,
@@ -438,6 +466,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         pdl=kernel == "kv" and sm(spec.target) >= 90, tier="gluon" if gluon else "triton",
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
         offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree,
+        pack_gqa=spec.group if packs else 1,
+        lane_compares=three,
         band=_band(keep) if kernel == "fwd" and gluon and keep is not None else 0)
 
 

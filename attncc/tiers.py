@@ -39,6 +39,10 @@ GLUON_PAYS_UNMASKED = {64: 2048}
 # 0.198 / 0.242, softcap 0.216 / 0.236 (causal 0.179 / 0.183); 8x16x2048x128 ALiBi 0.340 / 0.355,
 # softcap 0.360 / 0.356; at 4096 the Gluon forward is the faster
 GLUON_PAYS_SCORED = {128: 2048}
+# ... and where it packs a GQA group's query heads into its tiles (plan.packs_gqa), head dim -> the
+# shortest length (H200, 2026-11-28, benchmarks/gluon/gluon_fwd_probe.py, GQA 4:1 causal, Triton /
+# Gluon ms): 16x32x1024x64 0.225 / 0.258, 8x32x2048x64 0.386 / 0.370
+GLUON_PAYS_PACKED = {64: 2048}
 
 # Where the Gluon backward measured faster than the Triton tier's (bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
@@ -60,13 +64,23 @@ GLUON_BWD_PAYS = {64: 1024, 128: 1024}
 GLUON_BWD_PAYS_GQA = {64: 2048, 128: 2048}
 
 
-def gluon_pays(variant, d: int) -> int:
-    """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d."""
+_packs: dict = {}  # (variant, head dim, group, offsets) -> plan.packs_gqa
+
+
+def gluon_pays(variant, d: int, group: int = 1, offsets: bool = False) -> int:
+    """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d,
+    ``group`` query heads a K/V head (``offsets``: on chunks of a longer sequence)."""
     facts = variant.analysis.facts
     if facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
         return GLUON_PAYS_UNMASKED[d]
     if not facts.score_identity and d in GLUON_PAYS_SCORED:
         return GLUON_PAYS_SCORED[d]
+    if d in GLUON_PAYS_PACKED and group > 1:
+        key = (variant.ir_key, d, group, offsets)
+        if key not in _packs:
+            _packs[key] = plan.packs_gqa(facts, plan.forward_mask_class(variant.analysis), d, group, offsets)
+        if _packs[key]:
+            return GLUON_PAYS_PACKED[d]
     return GLUON_PAYS.get(d, 0)
 
 
@@ -119,13 +133,14 @@ def _indexed_by_both_positions(variant, learnable) -> bool:
 _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
 
 
-def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, tensors=(), length: int | None = None
-           ) -> tuple[str, str]:
+def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, tensors=(), length: int | None = None,
+           offsets: bool = False) -> tuple[str, str]:
     """(tier, why) of a forward call: "gluon" or "triton". ``tensors``: q, k and v, which the Gluon
     kernel reads through 4-D tensor descriptors (the output takes q's layout, so q stands for it),
     and whose lengths GLUON_PAYS may ask for; without them, ``length`` stands for both (None: not
-    known, taken as short). The part that does not depend on the tensors is memoised: per call, one
-    dict lookup and the tensors' layout check."""
+    known, taken as short); ``offsets``: they are chunks of a longer sequence (choose_chunks). The
+    part that does not depend on the tensors is memoised: per call, a few dict lookups and the
+    tensors' layout check."""
     want = config.tier()
     key = (variant.ir_key, target, dtype, d, dv, dropout, want)
     chosen = _chosen.get(key)
@@ -137,7 +152,8 @@ def choose(variant, target: str, dtype: str, d: int, dv: int, dropout: bool, ten
             if not _addressable(t) or t.shape[2] == 0:
                 return "triton", ("a tensor TMA cannot address (unit head-dim stride, 16-byte aligned strides, "
                                   "no empty length)")
-        shortest = gluon_pays(variant, d) if want == "auto" else 0
+        group = tensors[0].shape[1] // tensors[1].shape[1] if tensors else 1
+        shortest = gluon_pays(variant, d, group, offsets) if want == "auto" else 0
         if tensors:
             length = min(tensors[0].shape[2], tensors[1].shape[2])
         if shortest and (length is None or length < shortest):
@@ -187,7 +203,7 @@ def choose_chunks(variant, target: str, dtype: str, d: int, dv: int, dropout: bo
     their positions in the whole sequence (the Gluon templates take them as Q_OFF and KV_OFF where
     plan.offsets says): ``chunks`` holds each one's first chunk (the others start whole rows after
     it, so TMA addresses them where it does these)."""
-    return choose(variant, target, dtype, d, dv, dropout, chunks)
+    return choose(variant, target, dtype, d, dv, dropout, chunks, offsets=True)
 
 
 def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv_len: int | None = None

@@ -84,6 +84,9 @@ def make_cases(H: int, N: int, device, window: int = 1024, prefix: int = 1024) -
         Case("softcap_causal", softcap, causal, fa4=dict(causal=True, softcap=30.0)),
         Case("gqa4_causal", mask_mod=causal, gqa=4, sdpa=dict(is_causal=True, enable_gqa=True),
              sdpa_backends=flash_cudnn, fa4=dict(causal=True)),
+        # outside NAMES (the suite): GQA under other masks, for the forward's packed query heads
+        Case("gqa4_full", gqa=4, sdpa=dict(enable_gqa=True), sdpa_backends=flash_cudnn, fa4={}),
+        Case("gqa4_prefix_lm_1024", mask_mod=prefix_lm, gqa=4),
         Case("relative_bias_causal", relative_bias, causal, learnable=(table,)),
         Case("learned_alibi_causal", learned_alibi, causal, learnable=(learned_slopes,)),
         Case("dropout0.1_causal", mask_mod=causal, dropout_p=0.1, sdpa=dict(is_causal=True, dropout_p=0.1),

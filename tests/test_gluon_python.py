@@ -173,33 +173,43 @@ def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, 
                                f"({visits}, {n_masked})")
 
 
-def test_gluon_forward_tile_order_takes_every_tile_once(tmp_path):
+@pytest.mark.parametrize("pack", [1, 4])
+def test_gluon_forward_tile_order_takes_every_tile_once(pack, tmp_path):
     """The forward's program tiles (_tile) in sections of (batch, head) pairs: every (b, h, Q tile)
     once for any section size (the last section short), Q tile major inside a section from the
-    last tile, head after head for sections of 1; and the launcher's section sizes (_section) from
-    the L2 size and K/V bytes a query head reads."""
+    last tile, head after head for sections of 1; with GQA's query heads packed into the tiles
+    (plan.pack_gqa) the pairs are (batch, K/V head) and h the pack's first query head. And the
+    launcher's section sizes (_section) from the L2 size and the K/V bytes a pair reads."""
     from types import SimpleNamespace
-    variant = _variant("causal", H=2)
-    source = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"),
-                                       variant.captures))
+    variant = _variant("causal", H=2 * pack)
+    built = plan.build("fwd", variant.analysis, Spec("bfloat16", 64, 64, pack, "cuda-sm90", tier="gluon"), variant.captures)
+    assert built.pack_gqa == pack
+    narrow = plan.build("fwd", variant.analysis, Spec("bfloat16", 128, 128, pack, "cuda-sm90", tier="gluon"),
+                        variant.captures)
+    assert narrow.pack_gqa == 1 and built.lane_compares and not narrow.lane_compares  # two warp groups: slower so
+    source = codegen.render(built)
     path = tmp_path / "fwd.py"
     path.write_text(source)
     module = runtime.load(path, True, source)
     tile = _in_python(module._tile)
     C = _CInt
-    bq = module.WGS * module.LAUNCH_TILES["attn_fwd"][0]
-    for B, H, n_m in [(1, 1, 1), (2, 3, 5), (4, 16, 32), (1, 16, 3)]:
-        for section in sorted({1, 2, 3, 4, 16, B * H, B * H + 5}):
-            p = SimpleNamespace(section=C(section), n_m=C(n_m), n_tiles=C(n_m * B * H), H=C(H), WGS=module.WGS,
-                                BLOCK_M=module.LAUNCH_TILES["attn_fwd"][0], N_CTX_KV=C(n_m * bq), BLOCK_N=128)
-            got = [tuple(int(x) for x in tile(p, C(t))[:3]) for t in range(n_m * B * H)]
-            want = {(b, h, m * bq) for b in range(B) for h in range(H) for m in range(n_m)}
+    bq = module.WGS * module.LAUNCH_TILES["attn_fwd"][0] // pack  # query positions a tile spans
+    for B, H, n_m in [(1, pack, 1), (2, 3 * pack, 5), (4, 16, 32), (1, 16, 3)]:
+        pairs = B * H // pack
+        for section in sorted({1, 2, 3, 4, 16, pairs, pairs + 5}):
+            p = SimpleNamespace(section=C(section), n_m=C(n_m), n_tiles=C(n_m * pairs), H=C(H), WGS=module.WGS,
+                                BLOCK_M=module.LAUNCH_TILES["attn_fwd"][0], N_CTX_KV=C(n_m * bq), BLOCK_N=128,
+                                PACK=pack)
+            got = [tuple(int(x) for x in tile(p, C(t))[:3]) for t in range(n_m * pairs)]
+            want = {(b, h, m * bq) for b in range(B) for h in range(0, H, pack) for m in range(n_m)}
             assert len(got) == len(want) and set(got) == want, (B, H, n_m, section)
             for t, (b, h, m0) in enumerate(got):
                 sec, r = divmod(t, section * n_m)
-                size = min(B * H - sec * section, section)
-                assert b * H + h == sec * section + r % size, (B, H, n_m, section, t)
+                size = min(pairs - sec * section, section)
+                assert (b * H + h) // pack == sec * section + r % size, (B, H, n_m, section, t)
                 assert m0 == (n_m - 1 - r // size) * bq, (B, H, n_m, section, t)  # the longest (last) tiles first
+    if pack > 1:
+        return
     module._PROPS[0] = SimpleNamespace(L2_cache_size=50 * 2 ** 20)  # an H100's L2, as torch would report it
     cuda0 = torch.device("cuda", 0)
     assert module._section(cuda0, 2 * 4096 * 128 * 2) == 6  # 4k keys at head dim 128: 2 MiB a head

@@ -78,6 +78,19 @@ def test_tier_choice(monkeypatch):
     tier, reason = tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2047)
     assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=2048)[0] == "triton"
+    # ... and from 2048 where GQA's query heads share the tiles (plan.packs_gqa: a group dividing 64,
+    # a mask that does not read h; not on chunks of a longer sequence)
+    q, kv = torch.zeros(1, 8, 2048, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 2048, 64, dtype=torch.bfloat16)
+    assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))[0] == "gluon"
+    assert tiers.choose_chunks(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))[0] == "triton"
+    by_head = attncc.Variant(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (h < 4))
+    assert tiers.choose(by_head, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))[0] == "triton"
+    q6, kv2 = torch.zeros(1, 6, 2048, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 2048, 64, dtype=torch.bfloat16)
+    tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q6, kv2, kv2))  # 3 does not divide 64
+    assert tier == "triton" and "2048 queries or keys (< 4096)" in reason, reason
+    q, kv = q[:, :, :2047], kv[:, :, :2047]
+    tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))
+    assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
     # ... and at head dim 128 a score_mod other than the identity from 2048
     for name in ("alibi", "softcap"):
         assert tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2048)[0] == "gluon"
@@ -176,6 +189,7 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
 SNAPSHOTS = Path(__file__).parent / "snapshots" / "sm90"
 SNAPSHOT_CASES = [("fwd", "causal", 128, 1, "bfloat16"), ("fwd", "full", 64, 1, "bfloat16"),  # two / three warp groups
                   ("fwd", "alibi", 128, 4, "float16"),  # a captured tensor, GQA
+                  ("fwd", "causal", 64, 4, "bfloat16"),  # GQA's query heads packed into the tile (plan.pack_gqa)
                   ("bwd", "softcap", 128, 1, "bfloat16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
                   ("fwd-cp", "causal", 128, 1, "bfloat16"), ("bwd-cp", "prefix_lm", 128, 1, "bfloat16")]
 
@@ -261,10 +275,11 @@ def compile_for_sm90(fn, args, kwargs):
 offsets = [1024, 513] if kind.endswith("-cp") else []  # Q_OFF, KV_OFF: a chunk of a longer sequence
 if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
-    args = [module._descriptor(q, block_m), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m), rows, *caps, H, B * H, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4 heads
+    pack = module.PACK  # query heads packed into a tile's rows (GQA)
+    args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
+            module._descriptor(out, block_m, pack), rows, *caps, H, B * H // pack, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                                                            GROUP=group, WGS=module.WGS, num_warps=4,
+                                                            GROUP=group, WGS=module.WGS, PACK=pack, num_warps=4,
                                                             maxnreg=168 if module.WGS == 2 else 128))
 else:
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_bwd"]

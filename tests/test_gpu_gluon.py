@@ -23,9 +23,12 @@ SHAPES = {"1x2x1x1": (1, 2, 2, 1, 1, 128), "2x3x17": (2, 3, 3, 17, 17, 128), "gq
           "Lq300-Lkv1500": (2, 4, 4, 300, 1500, 128), "Lq1500-Lkv300": (1, 4, 4, 1500, 300, 128),
           "Lq1-Lkv4096": (2, 2, 2, 1, 4096, 128), "D64-gqa4:1-Lq17-Lkv1000": (1, 4, 1, 17, 1000, 64),
           "many-tiles-4x8x2048": (4, 8, 8, 2048, 2048, 128),
+          "gqa16:2-Lq300-Lkv777": (1, 16, 2, 300, 777, 128),
           # head dim 64: three consumer warp groups (192-row tiles) where plan.wide_forward says
           "D64-2x3x17": (2, 3, 3, 17, 17, 64), "D64-Lq300-Lkv1500": (2, 4, 4, 300, 1500, 64),
-          "D64-Lq1500-Lkv300": (1, 4, 4, 1500, 300, 64), "D64-Lq1-Lkv777": (2, 2, 2, 1, 777, 64)}
+          "D64-Lq1500-Lkv300": (1, 4, 4, 1500, 300, 64), "D64-Lq1-Lkv777": (2, 2, 2, 1, 777, 64),
+          "D64-gqa4:2-Lq1000": (2, 4, 2, 1000, 1000, 64),  # two query heads packed into a tile (plan.pack_gqa)
+          "D64-gqa16:2-Lq300-Lkv777": (1, 16, 2, 300, 777, 64)}  # eight
 FP16_SHAPES = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq17-Lkv1000", "D64-Lq300-Lkv1500")  # fp16: fewer shapes (each dtype compiles its kernels)
 GLUON_VARIANTS = [n for n in NAMES if n != "document"]  # a mask reading tensors keeps the Triton tier
 
@@ -91,18 +94,20 @@ def test_gluon_fully_masked_rows_and_blhd_views(dt, D, monkeypatch):
     assert _modules("gluon")
 
 
-@pytest.mark.parametrize("name", ["causal", "full"])
-def test_auto_tier_picks_the_wide_gluon_forward_for_long_sequences(name, monkeypatch):
+@pytest.mark.parametrize("name, group", [("causal", 1), ("full", 1), ("causal", 4)])
+def test_auto_tier_picks_the_wide_gluon_forward_for_long_sequences(name, group, monkeypatch):
     """With no ATTNCC_TIER, head dim 64 runs the Gluon forward with three consumer warp groups from
-    4096 queries and keys, 2048 without a mask (tiers.gluon_pays), and the Triton tier's below."""
+    4096 queries and keys, 2048 without a mask or with GQA's query heads packed into the tiles
+    (tiers.gluon_pays), and the Triton tier's below."""
     monkeypatch.delenv("ATTNCC_TIER", raising=False)
     torch.manual_seed(11)
-    shortest = 4096 if name == "causal" else 2048
+    shortest = 4096 if name == "causal" and group == 1 else 2048
     for L, tier in ((shortest, "gluon"), (shortest - 1, "triton")):
-        score_mod, mask_mod = BUILDERS[name](1, 2, L, L, "cuda")
-        q, k, v = (torch.randn(1, 2, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        out, lse = attncc.attention(q, k, v, score_mod, mask_mod, return_lse=True)
-        ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod)
+        score_mod, mask_mod = BUILDERS[name](1, 4, L, L, "cuda")
+        q = torch.randn(1, 4, L, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 4 // group, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = attncc.attention(q, k, v, score_mod, mask_mod, enable_gqa=group > 1, return_lse=True)
+        ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod, enable_gqa=group > 1)
         assert_close_to_reference(out, lse, ref, ref_lse, torch.bfloat16)
         variant = attncc.Variant(score_mod, mask_mod)
         assert attncc.tiers.choose(variant, "cuda-sm90", "bfloat16", 64, 64, False, (q, k, v))[0] == tier

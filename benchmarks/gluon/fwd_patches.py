@@ -7,9 +7,8 @@ tests/test_gluon_tier.py checks that every old text still occurs once in the ren
 
 
 # old texts that only some kernels render (a flag set either way, P's rounding either way, the third
-# consumer warp group at head dim 64, one mask's compares): the probe and tests/test_gluon_tier.py
-# let them be missing
-OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))", "        valid = ")
+# consumer warp group at head dim 64): the probe and tests/test_gluon_tier.py let them be missing
+OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))")
 
 RESCALE = "gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)"
 
@@ -81,15 +80,6 @@ PATCHES = {
                  "    p_op = gl.convert_layout(probs.to(p.q_desc.dtype), p_layout)\n    return"),
                 ("        p_op = gl.convert_layout(_round_pairs(probs), p_layout)\n        o = gl.zeros",
                  "        p_op = gl.convert_layout(probs.to(dtype), p_layout)\n        o = gl.zeros")],
-    # the causal mask as one compare a score against the row's end relative to the key tile (FA4's
-    # form: ptxas otherwise compares every score with the keys' end and the row's end, two FSEL each):
-    # masked step 727 -> 630 instructions at head dim 64, but 64 bytes of stack (the columns kept
-    # across the loop); H200, P in pairs / + mask-rel: causal 4x32x4096x64 0.706 / 0.707, 16k
-    # 2.320 / 2.327. Not taken. Written as kv_idx < min(q_idx + 1, N_CTX_KV) the compares were
-    # kept packed into bits (825 instructions)
-    "mask-rel": [("        valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)\n",
-                  "        valid = gl.expand_dims(gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0) < "
-                  "(gl.minimum(q_idx + 1, p.N_CTX_KV) - kb * p.BLOCK_N)\n")],
     # the tile order of a program per Q tile (causal-like masks), sections of (batch, head) pairs of
     # fixed sizes against the launcher's (a quarter of L2 holds their K and V, at most 16: taken on
     # 2026-11-28, the figures at _section); 1 is the order before, head after head
@@ -251,12 +241,12 @@ PATCHES["dynamic"] = [
     ("""    tile_i = 0
     for t in range(gl.program_id(0), p.n_tiles, gl.num_programs(0)):
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        q_row0 = m0 + WG * BLOCK_M
+        q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
 """, """    tile_i = 0
     t = _take_tile(tile_smem, tile_ready, tile_empty, 0)
     while t < p.n_tiles:
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        q_row0 = m0 + WG * BLOCK_M
+        q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
 """),
     ("""        turn += n_blocks + 1
         tile_i += 1
@@ -279,8 +269,8 @@ PATCHES["dynamic"] = [
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
         nxt = t
 """),
-    ("""                    _tma_load(p.q_desc, [b, h, m0 + w * BLOCK_M, 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
-""", """                    _tma_load(p.q_desc, [b, h, m0 + w * BLOCK_M, 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
+    ("""                    _tma_load(p.q_desc, [b, h, m0 + w * (BLOCK_M // p.PACK), 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
+""", """                    _tma_load(p.q_desc, [b, h, m0 + w * (BLOCK_M // p.PACK), 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
                 nxt = gl.num_programs(0) + gl.atomic_add(TILE_CTR, 1)  # its latency under this tile's loads
 """),
     ("""        g0 += n_blocks
@@ -306,7 +296,7 @@ PATCHES["dynamic"] = [
     ("        (consumer, (p, 0)),", "        (consumer, (p, 0, tile_smem, tile_ready, tile_empty)),"),
     ("        (consumer, (p, 1)),", "        (consumer, (p, 1, tile_smem, tile_ready, tile_empty)),"),
     ("        (producer, (p, )),", "        (producer, (p, TILE_CTR, tile_smem, tile_ready, tile_empty)),"),
-    ("        _descriptor(out, 64), lse,\n", "        _descriptor(out, 64), lse, torch.zeros(1, dtype=torch.int32, device=q.device),\n"),
+    ("        _descriptor(out, 64, PACK), lse,\n", "        _descriptor(out, 64, PACK), lse, torch.zeros(1, dtype=torch.int32, device=q.device),\n"),
     ("    if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:", "    if True:  # dynamic tiles"),
 ]
 # three consumer warp groups (head dim 64)

@@ -9,6 +9,12 @@ PLAN_PATCHES = {
     "mask-expr": {"row_keep": None},
     # the forward's row max as Triton's one chain per row, P rounded one by one (before the tree)
     "max-chain": {"row_max_tree": False, "probs_in_pairs": False},
+    # the forward under GQA with one query head a tile (before plan.pack_gqa)
+    "no-pack": {"pack_gqa": 1},
+    # the forward's masked steps compare kv_idx with the row's ends (before plan.lane_compares)
+    "mask-kv": {"lane_compares": False},
+    # ... and relative to the thread's first key with two warp groups too (measured slower at 16k)
+    "mask-lane": {"lane_compares": True},
 }
 
 

@@ -80,16 +80,20 @@ def _sigmoid(x):
 # host side, shared by the launchers
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _PROPS: dict = {}  # device index -> torch.cuda.get_device_properties (host side)
-_LAYOUTS: dict = {}  # (rows, head dim, dtype) -> the boxes' shared-memory layout (6 us to build, per call)
+_LAYOUTS: dict = {}  # (rows, pack, head dim, dtype) -> the boxes' shared-memory layout (6 us to build, per call)
 
 
-def _descriptor(t, rows):
+def _descriptor(t, rows, pack=1):
     """A 4-D tensor descriptor (B, H, L, D) of t, boxes of one head's `rows` x D: TMA clips and
-    zero-fills at the end of each head's rows."""
-    box = [1, 1, rows, t.shape[3]]
-    layout = _LAYOUTS.get((rows, t.shape[3], t.dtype))
+    zero-fills at the end of each head's rows. pack > 1: a 5-D one of the view (B, H / pack, L,
+    pack, D), boxes of rows / pack positions of `pack` consecutive heads, position major."""
+    B, H, L, D = t.shape
+    box = [1, 1, rows, D] if pack == 1 else [1, 1, rows // pack, pack, D]
+    if pack > 1:
+        t = t.unflatten(1, (H // pack, pack)).permute(0, 1, 3, 2, 4)
+    layout = _LAYOUTS.get((rows, pack, D, t.dtype))
     if layout is None:
-        layout = _LAYOUTS[rows, t.shape[3], t.dtype] = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype])
+        layout = _LAYOUTS[rows, pack, D, t.dtype] = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype])
     return TensorDescriptor.from_tensor(t, box, layout)
 
 

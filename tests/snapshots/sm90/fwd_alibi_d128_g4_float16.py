@@ -81,16 +81,20 @@ def _sigmoid(x):
 # host side, shared by the launchers
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _PROPS: dict = {}  # device index -> torch.cuda.get_device_properties (host side)
-_LAYOUTS: dict = {}  # (rows, head dim, dtype) -> the boxes' shared-memory layout (6 us to build, per call)
+_LAYOUTS: dict = {}  # (rows, pack, head dim, dtype) -> the boxes' shared-memory layout (6 us to build, per call)
 
 
-def _descriptor(t, rows):
+def _descriptor(t, rows, pack=1):
     """A 4-D tensor descriptor (B, H, L, D) of t, boxes of one head's `rows` x D: TMA clips and
-    zero-fills at the end of each head's rows."""
-    box = [1, 1, rows, t.shape[3]]
-    layout = _LAYOUTS.get((rows, t.shape[3], t.dtype))
+    zero-fills at the end of each head's rows. pack > 1: a 5-D one of the view (B, H / pack, L,
+    pack, D), boxes of rows / pack positions of `pack` consecutive heads, position major."""
+    B, H, L, D = t.shape
+    box = [1, 1, rows, D] if pack == 1 else [1, 1, rows // pack, pack, D]
+    if pack > 1:
+        t = t.unflatten(1, (H // pack, pack)).permute(0, 1, 3, 2, 4)
+    layout = _LAYOUTS.get((rows, pack, D, t.dtype))
     if layout is None:
-        layout = _LAYOUTS[rows, t.shape[3], t.dtype] = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype])
+        layout = _LAYOUTS[rows, pack, D, t.dtype] = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype])
     return TensorDescriptor.from_tensor(t, box, layout)
 
 
@@ -172,11 +176,12 @@ class Pipeline:
     STAGES: gl.constexpr
     GROUP: gl.constexpr
     WGS: gl.constexpr  # consumer warp groups
+    PACK: gl.constexpr  # query heads packed into a tile's rows
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                  k_ready, k_empty, v_ready, v_empty, sched, H, N_CTX_Q, N_CTX_KV, n_m, n_tiles, section, sm_scale,
-                 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, WGS):
+                 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, WGS, PACK):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
@@ -206,22 +211,25 @@ class Pipeline:
         self.STAGES = gl.constexpr(STAGES)
         self.GROUP = gl.constexpr(GROUP)
         self.WGS = gl.constexpr(WGS)
+        self.PACK = gl.constexpr(PACK)
 
 
 @gluon.jit
 def _tile(p: Pipeline, t):
-    """Program tile t -> (b, h, first query row, key-tile schedule). The (batch, head) pairs run in
-    sections of p.section, Q tile major inside a section from the last Q tile (the longest under
-    causal-like masks), so the longest tiles of several heads start first (FA3/FA4's order; the
-    launcher sizes a section by what of K and V fits in L2). A section of 1: head after head."""
+    """Program tile t -> (b, first query head h, first query position, key-tile schedule). The
+    (batch, head) pairs (heads: packs of PACK query heads) run in sections of p.section, Q tile
+    major inside a section from the last Q tile (the longest under causal-like masks), so the
+    longest tiles of several heads start first (FA3/FA4's order; the launcher sizes a section by
+    what of K and V fits in L2). A section of 1: head after head."""
     sec_tiles = p.section * p.n_m
     size = gl.minimum(p.n_tiles // p.n_m - t // sec_tiles * p.section, p.section)  # the last section may hold fewer
     r = t % sec_tiles
     bh = t // sec_tiles * p.section + r % size
-    b = bh // p.H
-    h = bh % p.H
-    m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M)
-    hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _block_range(b, h, m0, p.WGS * p.BLOCK_M, p.N_CTX_KV, p.BLOCK_N)
+    b = bh // (p.H // p.PACK)
+    h = bh % (p.H // p.PACK) * p.PACK
+    m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M // p.PACK)
+    hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _block_range(b, h, m0, p.WGS * p.BLOCK_M // p.PACK, p.N_CTX_KV,
+                                                                  p.BLOCK_N)
     return b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks
 
 
@@ -264,9 +272,11 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, cap0_0, cap0_ptr, 
     score = qk * p.sm_scale
     score_mod = cap0_0*(kv_idx - q_idx) + score
     if MASKED:
-        # mask_mod keeps, of query q_idx's row, the keys [-oo, q_idx]: with the end of the keys,
-        # two compares a score (SASS, sliding window at head dim 128: 1167 -> 797 instructions a masked
-        # step against the mask's own expression)
+        # mask_mod keeps, of query q_idx's row, the keys [-oo, q_idx]: each score compared with its
+        # row's ends (with the end of the keys), relative to the thread's first key. wgmma's
+        # accumulator gives a thread the columns 8 k + 2 (lane % 4) + i: cols - lane are constants,
+        # so each compare takes an immediate and one FSEL follows (FA4's form; SASS, causal at head
+        # dim 64: 727 -> 565 instructions a masked step; compared with kv_idx, two FSEL a score)
         valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)
         s = gl.where(valid, score_mod * 1.4426950408889634, -float("inf"))
     else:
@@ -335,8 +345,8 @@ def consumer(p: Pipeline, WG: gl.constexpr, cap0_ptr, cap0_size0, cap0_stride0):
     tile_i = 0
     for t in range(gl.program_id(0), p.n_tiles, gl.num_programs(0)):
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        q_row0 = m0 + WG * BLOCK_M
-        rows = q_row0 + gl.arange(0, BLOCK_M, layout=row_s)
+        q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
+        rows = q_row0 + gl.arange(0, BLOCK_M, layout=row_s) // p.PACK  # each row's query position
         q_idx = gl.expand_dims(rows, 1)
         # loop-invariant parts of the mods, once per tile
         cap0_0 = gl.load(cap0_ptr + (h).to(gl.int64) * cap0_stride0, mask=(h >= 0) & (h < cap0_size0), other=0).to(gl.float32)
@@ -382,13 +392,13 @@ def consumer(p: Pipeline, WG: gl.constexpr, cap0_ptr, cap0_size0, cap0_stride0):
         l_safe = gl.where(empty, 1.0, l_i)
         o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
         lse = gl.where(empty, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        bh = b * p.H + h
+        bh = b * p.H + h + gl.arange(0, BLOCK_M, layout=row_s) % p.PACK  # each row's (batch, query head)
         gl.store(p.lse_ptr + bh.to(gl.int64) * p.N_CTX_Q + rows, lse, mask=rows < p.N_CTX_Q)
         tma.store_wait(pendings=0)  # the previous tile's output left o_smem
         _cta_barrier()
         o_smem.store(o.to(dtype))
         fence_async_shared()
-        _tma_store(p.o_desc, [b, h, q_row0, 0], o_smem.reshape([1, 1, BLOCK_M, HEAD_DIM]))  # rows past the end are clipped
+        _tma_store(p.o_desc, [b, h, q_row0, 0], o_smem.reshape([1, 1, BLOCK_M, p.HEAD_DIM]))  # rows past the end are clipped
 
         g0 += n_blocks
         turn += n_blocks + 1
@@ -423,7 +433,7 @@ def producer(p: Pipeline):
                     mbarrier.wait(p.q_empty.index(w), (tile_i & 1) ^ 1)
                     bar = p.q_ready.index(w)
                     mbarrier.expect(bar, p.q_desc.block_type.nbytes)
-                    _tma_load(p.q_desc, [b, h, m0 + w * BLOCK_M, 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
+                    _tma_load(p.q_desc, [b, h, m0 + w * (BLOCK_M // p.PACK), 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
             _load(p.v_desc, p.v_smem, p.v_ready, p.v_empty, g0 + it, b, h_kv, row, p.STAGES)
         g0 += n_blocks
         tile_i += 1
@@ -435,10 +445,10 @@ def attn_fwd(
     cap0_ptr, cap0_size0, cap0_stride0,  # `slopes` float tensor, 1-d, read by score_mod
     H, BH, N_CTX_Q, N_CTX_KV, SECTION, sm_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-    WGS: gl.constexpr,
+    WGS: gl.constexpr, PACK: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
-    n_m = gl.cdiv(N_CTX_Q, WGS * BLOCK_M)
+    n_m = gl.cdiv(N_CTX_Q, WGS * BLOCK_M // PACK)
     n_tiles = n_m * BH
     qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -466,7 +476,7 @@ def attn_fwd(
                  gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout),
                  q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
                  H, N_CTX_Q, N_CTX_KV, n_m, n_tiles, SECTION, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                 GROUP, WGS)
+                 GROUP, WGS, PACK)
     gl.warp_specialize([
         (consumer, (p, 0, cap0_ptr, cap0_size0, cap0_stride0)),  # the default partition: 4 warps
         (consumer, (p, 1, cap0_ptr, cap0_size0, cap0_stride0)),
@@ -475,6 +485,7 @@ def attn_fwd(
 
 
 WGS = 2  # consumer warp groups, BLOCK_M query rows each
+PACK = 1  # query heads of a K/V head in a tile's rows (plan.pack_gqa)
 TILES = {"attn_fwd": (WGS * 64, 128)}  # (outer, inner) tile of each kernel
 HOST_KERNELS = ("attn_fwd",)
 LAUNCH_TILES = {"attn_fwd": (64, 128, 4, 2)}
@@ -490,26 +501,26 @@ def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.
     B, H, N_CTX_Q = q.shape[:3]
     N_CTX_KV = k.shape[2]
     cap0, = captures
-    tiles = cdiv(N_CTX_Q, WGS * 64) * B * H
+    tiles = cdiv(N_CTX_Q, WGS * 64 // PACK) * B * H // PACK
     section = 1  # head after head: tiles of equal work, a program per SM
     if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:  # a band narrow beside the keys: tiles of equal work too
         tiles = min(tiles, _sm_count(q.device))
     else:  # the longest Q tiles of several heads first (see _tile), as many heads as a quarter of L2 holds K and V of
-        section = _section(q.device, 2 * N_CTX_KV * k.shape[3] * k.element_size() // 4)
+        section = _section(q.device, 2 * N_CTX_KV * k.shape[3] * k.element_size() // (4 // PACK))
     attn_fwd[(tiles, )](
-        _descriptor(q, 64), _descriptor(k, 128), _descriptor(v, 128),
-        _descriptor(out, 64), lse,
+        _descriptor(q, 64, PACK), _descriptor(k, 128), _descriptor(v, 128),
+        _descriptor(out, 64, PACK), lse,
         cap0, cap0.shape[0], cap0.stride(0),
-        H, B * H, N_CTX_Q, N_CTX_KV, section, sm_scale,
+        H, B * H // PACK, N_CTX_Q, N_CTX_KV, section, sm_scale,
         BLOCK_M=64, BLOCK_N=128, HEAD_DIM=128, STAGES=2,
-        GROUP=4, WGS=WGS, num_warps=4,
+        GROUP=4, WGS=WGS, PACK=PACK, num_warps=4,
         maxnreg=168,  # registers at entry for 12 warps: the workers take theirs, the default partition the rest
     )
 
 
 def _section(device, kv_bytes):
     """(batch, head) pairs of a section of the forward's tile order, for kv_bytes of K and V a
-    query head reads: H200, causal, ms head after head / sections of 4 / of 16 (FA4 0.488, 0.482,
+    pair reads: H200, causal, ms head after head / sections of 4 / of 16 (FA4 0.488, 0.482,
     1.743, 0.650, 0.610): 4x16x4096x128 0.520 / 0.508 / 0.510, GQA 4:1 0.508 / 0.501 / 0.494;
     1x16x16384x128 1.816 / 1.827 / 1.905 (16 heads' K and V, 128 MiB, outgrow L2), GQA 4:1 1.795 /
     1.798 / 1.788; head dim 64, 4x32x4096 0.757 / 0.747 / 0.736, GQA 4:1 0.754 / 0.739 / 0.725."""
