@@ -277,9 +277,12 @@ if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
     pack = module.PACK  # query heads packed into a tile's rows (GQA)
     args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m, pack), rows, *caps, H, B * H // pack, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4
+            module._descriptor(out, block_m, pack), rows, *caps, torch.zeros(1, dtype=torch.int32), H, B * H // pack, Lq, Lkv,
+            4, 0.125, *offsets]  # sections of 4
+    dynamic = not module.PERSISTENT  # tiles of unequal work: the tile counter's code (static for the others)
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                                                            GROUP=group, WGS=module.WGS, PACK=pack, num_warps=4,
+                                                            GROUP=group, WGS=module.WGS, PACK=pack, DYNAMIC=dynamic,
+                                                            num_warps=4,
                                                             maxnreg=168 if module.WGS == 2 else 128))
 else:
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_bwd"]

@@ -8,7 +8,7 @@ tests/test_gluon_tier.py checks that every old text still occurs once in the ren
 
 # old texts that only some kernels render (a flag set either way, P's rounding either way, the third
 # consumer warp group at head dim 64): the probe and tests/test_gluon_tier.py let them be missing
-OPTIONAL = ("\nPERSISTENT", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))")
+OPTIONAL = ("\nPERSISTENT", "\nDYNAMIC_KV", "    p_op = ", "        p_op = ", "        (consumer, (p, 2))")
 
 RESCALE = "gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)"
 
@@ -212,92 +212,11 @@ PATCHES = {
     ],
 }
 
-# FA3's dynamic tile scheduler: one program per SM; each takes its first tile by its program id and
-# the next ones from a global counter (an atomic add by the producer warp, early in the tile), which
-# it passes to the consumers through a two-slot ring in shared memory. Programs that drew short
-# tiles take more: the static split (`persistent`) gave causal 16k 1.80 -> 2.57 ms. Waits for a GPU.
-_DYN_FNS = '''@gluon.jit
-def _give_tile(tile_smem, tile_ready, tile_empty, i, t):
-    """The producer hands tile index t (its i-th; >= n_tiles: no more) to the consumers."""
-    mbarrier.wait(tile_empty.index(i % 2), ((i // 2) & 1) ^ 1)
-    tile_smem.index(i % 2).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
-    mbarrier.arrive(tile_ready.index(i % 2), count=1)
-
-
-@gluon.jit
-def _take_tile(tile_smem, tile_ready, tile_empty, i):
-    """A consumer's i-th tile index."""
-    mbarrier.wait(tile_ready.index(i % 2), (i // 2) & 1)
-    t = gl.max(tile_smem.index(i % 2).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
-    mbarrier.arrive(tile_empty.index(i % 2), count=1)
-    return t
-
-
-@gluon.jit
-def consumer('''
-PATCHES["dynamic"] = [
-    ("@gluon.jit\ndef consumer(", _DYN_FNS),
-    ("def consumer(p: Pipeline, WG: gl.constexpr", "def consumer(p: Pipeline, WG: gl.constexpr, tile_smem, tile_ready, tile_empty"),
-    ("""    tile_i = 0
-    for t in range(gl.program_id(0), p.n_tiles, gl.num_programs(0)):
-        b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
-""", """    tile_i = 0
-    t = _take_tile(tile_smem, tile_ready, tile_empty, 0)
-    while t < p.n_tiles:
-        b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
-"""),
-    ("""        turn += n_blocks + 1
-        tile_i += 1
-    tma.store_wait(pendings=0)
-""", """        turn += n_blocks + 1
-        tile_i += 1
-        t = _take_tile(tile_smem, tile_ready, tile_empty, tile_i)
-    tma.store_wait(pendings=0)
-"""),
-    ("def producer(p: Pipeline):", "def producer(p: Pipeline, TILE_CTR, tile_smem, tile_ready, tile_empty):"),
-    ("""    tile_i = 0
-    g0 = 0
-    for t in range(gl.program_id(0), p.n_tiles, gl.num_programs(0)):
-        b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-""", """    tile_i = 0
-    g0 = 0
-    t = gl.program_id(0)
-    while t < p.n_tiles:
-        _give_tile(tile_smem, tile_ready, tile_empty, tile_i, t)
-        b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
-        nxt = t
-"""),
-    ("""                    _tma_load(p.q_desc, [b, h, m0 + w * (BLOCK_M // p.PACK), 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
-""", """                    _tma_load(p.q_desc, [b, h, m0 + w * (BLOCK_M // p.PACK), 0], bar, p.q_smem.index(w).reshape([1, 1, BLOCK_M, p.HEAD_DIM]))
-                nxt = gl.num_programs(0) + gl.atomic_add(TILE_CTR, 1)  # its latency under this tile's loads
-"""),
-    ("""        g0 += n_blocks
-        tile_i += 1
-
-
-""", """        g0 += n_blocks
-        tile_i += 1
-        t = nxt
-    _give_tile(tile_smem, tile_ready, tile_empty, tile_i, t)  # t >= n_tiles: the consumers stop
-
-
-"""),
-    ("    q_desc, k_desc, v_desc, o_desc, LSE,\n", "    q_desc, k_desc, v_desc, o_desc, LSE, TILE_CTR,\n"),
-    ("    p = Pipeline(q_desc, k_desc, v_desc, o_desc, LSE,\n",
-     "    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))\n"
-     "    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"
-     "    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"
-     "    for i in gl.static_range(2):\n"
-     "        mbarrier.init(tile_ready.index(i), count=1)\n"
-     "        mbarrier.init(tile_empty.index(i), count=WGS)\n"
-     "    p = Pipeline(q_desc, k_desc, v_desc, o_desc, LSE,\n"),
-    ("        (consumer, (p, 0)),", "        (consumer, (p, 0, tile_smem, tile_ready, tile_empty)),"),
-    ("        (consumer, (p, 1)),", "        (consumer, (p, 1, tile_smem, tile_ready, tile_empty)),"),
-    ("        (producer, (p, )),", "        (producer, (p, TILE_CTR, tile_smem, tile_ready, tile_empty)),"),
-    ("        _descriptor(out, 64, PACK), lse,\n", "        _descriptor(out, 64, PACK), lse, torch.zeros(1, dtype=torch.int32, device=q.device),\n"),
-    ("    if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:", "    if True:  # dynamic tiles"),
-]
-# three consumer warp groups (head dim 64)
-PATCHES["dynamic-3"] = PATCHES["dynamic"] + [("        (consumer, (p, 2)),", "        (consumer, (p, 2, tile_smem, tile_ready, tile_empty)),")]
+# The launcher's choice between a program per tile and a program per SM drawing tiles from a
+# counter (DYNAMIC_KV, fwd_launch.py.jinja), forced either way. The counter used to be drawn at the
+# start of a tile (the first form, measured 2026-11-28: causal 16x16x1024x128 0.182 -> 0.166 ms,
+# 4x16x4096 0.516 -> 0.501, 1x16x16384 1.764 -> 1.936: a program that drew at the start of a long
+# tile held its next one back while others ran dry); now once a tile's loads are issued.
+PATCHES["static"] = [("\nDYNAMIC_KV = 4096\n", "\nDYNAMIC_KV = 0\n")]
+PATCHES["static-3"] = [("\nDYNAMIC_KV = 1 << 31\n", "\nDYNAMIC_KV = 0\n")]  # three consumer warp groups
+PATCHES["drawn"] = [("\nDYNAMIC_KV = 4096\n", "\nDYNAMIC_KV = 1 << 31\n")]

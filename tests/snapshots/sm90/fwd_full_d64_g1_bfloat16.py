@@ -162,6 +162,10 @@ class Pipeline:
     v_ready: gl.shared_memory_descriptor
     v_empty: gl.shared_memory_descriptor
     sched: gl.shared_memory_descriptor  # per consumer: its turn to issue GEMMs
+    tile_ctr: gl.tensor  # DYNAMIC: the tiles drawn so far by all programs (int32, zero at launch)
+    tile_smem: gl.shared_memory_descriptor  # DYNAMIC: [2, 1] the producer's tile indices for the consumers
+    tile_ready: gl.shared_memory_descriptor  # ... per slot: an index is there
+    tile_empty: gl.shared_memory_descriptor  # ... per slot: every consumer read it
     H: gl.tensor
     N_CTX_Q: gl.tensor
     N_CTX_KV: gl.tensor
@@ -176,11 +180,13 @@ class Pipeline:
     GROUP: gl.constexpr
     WGS: gl.constexpr  # consumer warp groups
     PACK: gl.constexpr  # query heads packed into a tile's rows
+    DYNAMIC: gl.constexpr  # programs draw their next tile from tile_ctr (else: every num_programs-th)
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
-                 k_ready, k_empty, v_ready, v_empty, sched, H, N_CTX_Q, N_CTX_KV, n_m, n_tiles, section, sm_scale,
-                 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, WGS, PACK):
+                 k_ready, k_empty, v_ready, v_empty, sched, tile_ctr, tile_smem, tile_ready, tile_empty, H, N_CTX_Q,
+                 N_CTX_KV, n_m, n_tiles, section, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, WGS,
+                 PACK, DYNAMIC):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
@@ -197,6 +203,10 @@ class Pipeline:
         self.v_ready = v_ready
         self.v_empty = v_empty
         self.sched = sched
+        self.tile_ctr = tile_ctr
+        self.tile_smem = tile_smem
+        self.tile_ready = tile_ready
+        self.tile_empty = tile_empty
         self.H = H
         self.N_CTX_Q = N_CTX_Q
         self.N_CTX_KV = N_CTX_KV
@@ -211,6 +221,7 @@ class Pipeline:
         self.GROUP = gl.constexpr(GROUP)
         self.WGS = gl.constexpr(WGS)
         self.PACK = gl.constexpr(PACK)
+        self.DYNAMIC = gl.constexpr(DYNAMIC)
 
 
 @gluon.jit
@@ -230,6 +241,40 @@ def _tile(p: Pipeline, t):
     hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _block_range(b, h, m0, p.WGS * p.BLOCK_M // p.PACK, p.N_CTX_KV,
                                                                   p.BLOCK_N)
     return b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks
+
+
+# Which tiles a program runs. Static: tiles pid, pid + num_programs, ... (a program per tile, or
+# per SM where tiles are of equal work). DYNAMIC (FA3's scheduler, a program per SM for tiles of
+# unequal work): the first tile by program id, the next ones drawn from a global counter by the
+# producer once it issued a tile's last loads (so a program that runs a long tile does not hold its
+# next one back), handed to the consumers through a two-slot ring in shared memory.
+@gluon.jit
+def _draw_tile(p: Pipeline, t):
+    """The producer's next tile after t."""
+    if p.DYNAMIC:
+        t = gl.num_programs(0) + gl.atomic_add(p.tile_ctr, 1, sem="relaxed")  # a count: nothing to order
+    else:
+        t += gl.num_programs(0)
+    return t
+
+
+@gluon.jit
+def _give_tile(p: Pipeline, i, t):
+    """DYNAMIC: the producer hands its i-th tile t (>= n_tiles: none left) to the consumers."""
+    if p.DYNAMIC:
+        mbarrier.wait(p.tile_empty.index(i % 2), ((i // 2) & 1) ^ 1)
+        p.tile_smem.index(i % 2).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+        mbarrier.arrive(p.tile_ready.index(i % 2), count=1)
+
+
+@gluon.jit
+def _take_tile(p: Pipeline, i, t):
+    """A consumer's i-th tile: DYNAMIC, the one the producer handed over; else t."""
+    if p.DYNAMIC:
+        mbarrier.wait(p.tile_ready.index(i % 2), (i // 2) & 1)
+        t = gl.max(p.tile_smem.index(i % 2).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+        mbarrier.arrive(p.tile_empty.index(i % 2), count=1)
+    return t
 
 
 @gluon.jit
@@ -318,7 +363,8 @@ def consumer(p: Pipeline, WG: gl.constexpr):
     g0 = 0  # ring position of the tile's first key tile
     turn = 0  # GEMM-issue turns taken so far (n_blocks + 1 per tile)
     tile_i = 0
-    for t in range(gl.program_id(0), p.n_tiles, gl.num_programs(0)):
+    t = _take_tile(p, 0, gl.program_id(0))
+    while t < p.n_tiles:
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
         q_row0 = m0 + WG * (BLOCK_M // p.PACK)  # the warp group's first query position
         rows = q_row0 + gl.arange(0, BLOCK_M, layout=row_s) // p.PACK  # each row's query position
@@ -376,6 +422,7 @@ def consumer(p: Pipeline, WG: gl.constexpr):
         g0 += n_blocks
         turn += n_blocks + 1
         tile_i += 1
+        t = _take_tile(p, tile_i, t + gl.num_programs(0))
     tma.store_wait(pendings=0)
 
 
@@ -395,7 +442,9 @@ def producer(p: Pipeline):
     BLOCK_M: gl.constexpr = p.BLOCK_M
     tile_i = 0
     g0 = 0
-    for t in range(gl.program_id(0), p.n_tiles, gl.num_programs(0)):
+    t = gl.program_id(0)
+    while t < p.n_tiles:
+        _give_tile(p, tile_i, t)
         b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _tile(p, t)
         h_kv = h // p.GROUP  # GQA: GROUP query heads read one K/V head, never repeated
         for it in range(n_blocks):
@@ -410,14 +459,16 @@ def producer(p: Pipeline):
             _load(p.v_desc, p.v_smem, p.v_ready, p.v_empty, g0 + it, b, h_kv, row, p.STAGES)
         g0 += n_blocks
         tile_i += 1
+        t = _draw_tile(p, t)  # after the tile's loads are issued
+    _give_tile(p, tile_i, t)  # t >= n_tiles: the consumers stop
 
 
 @gluon.jit(do_not_specialize=["H", "BH", "N_CTX_Q", "N_CTX_KV", "SECTION"])
 def attn_fwd(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    H, BH, N_CTX_Q, N_CTX_KV, SECTION, sm_scale,
+    TILE_CTR, H, BH, N_CTX_Q, N_CTX_KV, SECTION, sm_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-    WGS: gl.constexpr, PACK: gl.constexpr,
+    WGS: gl.constexpr, PACK: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     n_m = gl.cdiv(N_CTX_Q, WGS * BLOCK_M // PACK)
@@ -428,6 +479,8 @@ def attn_fwd(
     q_ready = gl.allocate_shared_memory(gl.int64, [WGS, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [WGS, 1], bar_layout)
     sched = gl.allocate_shared_memory(gl.int64, [WGS, 1], bar_layout)
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -436,6 +489,9 @@ def attn_fwd(
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(sched.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=WGS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=WGS)
@@ -446,9 +502,10 @@ def attn_fwd(
                  gl.allocate_shared_memory(dtype, [WGS, BLOCK_M, HEAD_DIM], qo_layout),
                  gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout),
                  gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout),
-                 q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+                 q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched, TILE_CTR,
+                 gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])), tile_ready, tile_empty,
                  H, N_CTX_Q, N_CTX_KV, n_m, n_tiles, SECTION, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                 GROUP, WGS, PACK)
+                 GROUP, WGS, PACK, DYNAMIC)
     gl.warp_specialize([  # FA3/FA4's 192-row tile at head dim 64: 160 registers per consumer
         (consumer, (p, 0)),  # the default partition: 4 warps
         (consumer, (p, 1)),
@@ -467,6 +524,14 @@ CLASS_PER_HEAD = False
 TIER = "gluon"
 PERSISTENT = True  # no mask bounds the key loop: one program per SM walks the tiles
 BAND = 0  # keys each query keeps, where mask_mod keeps a window of constant width (else 0)
+# tiles of unequal work (causal-like masks): a program per SM drawing its tiles (DYNAMIC) up to this
+# many keys, a program per tile beyond. Drawing spares each tile a program's start and end. H200,
+# in turn (benchmarks/gluon/gluon_fwd_probe.py, 2026-11-28), causal ms a program per tile / drawn:
+# head dim 128 16x16x1024 0.182 / 0.160, 8x16x2048 0.286 / 0.271, 4x16x4096 0.517 / 0.489 (GQA 4:1
+# 0.486 / 0.482, prefix-LM 0.541 / 0.513), 1x16x16384 1.737 / 1.758 (GQA 1.733 / 1.859, prefix-LM
+# 1.766 / 1.849); head dim 64 (three warp groups) 8x32x2048 0.416 / 0.400, 4x32x4096 0.676 / 0.635
+# (GQA 0.625 / 0.588), 1x32x16384 2.207 / 2.176 (GQA 2.140 / 2.120)
+DYNAMIC_KV = 1 << 31
 
 
 def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.0, blocks=None):
@@ -474,17 +539,22 @@ def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.
     B, H, N_CTX_Q = q.shape[:3]
     N_CTX_KV = k.shape[2]
     tiles = cdiv(N_CTX_Q, WGS * 64 // PACK) * B * H // PACK
-    section = 1  # head after head: tiles of equal work, a program per SM
-    if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:  # a band narrow beside the keys: tiles of equal work too
-        tiles = min(tiles, _sm_count(q.device))
+    section = 1  # head after head
+    sms = _sm_count(q.device)
+    dynamic = False
+    if PERSISTENT or 0 < 4 * BAND <= N_CTX_KV:  # tiles of equal work (a band narrow beside the keys too)
+        tiles = min(tiles, sms)
+    elif tiles > sms and N_CTX_KV <= DYNAMIC_KV:
+        tiles, dynamic = sms, True
     else:  # the longest Q tiles of several heads first (see _tile), as many heads as a quarter of L2 holds K and V of
         section = _section(q.device, 2 * N_CTX_KV * k.shape[3] * k.element_size() // (1 // PACK))
     attn_fwd[(tiles, )](
         _descriptor(q, 64, PACK), _descriptor(k, 128), _descriptor(v, 128),
         _descriptor(out, 64, PACK), lse,
+        torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,  # the tile counter (unread if static)
         H, B * H // PACK, N_CTX_Q, N_CTX_KV, section, sm_scale,
         BLOCK_M=64, BLOCK_N=128, HEAD_DIM=64, STAGES=3,
-        GROUP=1, WGS=WGS, PACK=PACK, num_warps=4,
+        GROUP=1, WGS=WGS, PACK=PACK, DYNAMIC=dynamic, num_warps=4,
         maxnreg=128,  # registers at entry for 16 warps: the workers take theirs, the default partition the rest
     )
 
