@@ -218,6 +218,116 @@ def test_gluon_forward_tile_order_takes_every_tile_once(pack, tmp_path):
     assert module._section(cuda0, 2 * 16384 * 128 * 2 // 4) == 6  # GQA 4:1: a query head's share of K and V
 
 
+# The forward's tile handoff (DYNAMIC: a program per SM draws its tiles from a global counter, its
+# producer hands each to the consumers through a two-slot ring guarded by mbarriers), as rendered:
+# _draw_tile, _give_tile and _take_tile run in Python with barriers that keep phases (a wait yields
+# until its phase completes), the producer and consumers of several programs interleaved at random.
+class _Barrier:
+    def __init__(self, count):
+        self.count, self.pending, self.completed = count, 0, 0
+
+
+class _Ring:
+    def __init__(self, items):
+        self.items = items
+
+    def index(self, i):
+        return self.items[int(i)]
+
+
+class _Slot:
+    def store(self, value):
+        self.value = list(value)
+
+    def load(self, layout):
+        return self.value
+
+
+def _handoff_functions(module, programs, counter):
+    """_draw_tile, _give_tile, _take_tile of the rendered module, waits turned into yields."""
+    import types
+
+    def wait(bar, parity):
+        while bar.completed % 2 == parity:  # mbarrier try_wait.parity: that phase has not completed
+            yield
+
+    def arrive(bar, count=1):
+        bar.pending += count
+        if bar.pending == bar.count:
+            bar.completed, bar.pending = bar.completed + 1, 0
+
+    def atomic_add(ptr, value, sem=None):
+        counter[0] += value
+        return counter[0] - value
+
+    gl = types.SimpleNamespace(num_programs=lambda axis: programs, atomic_add=atomic_add, full=lambda shape, v, *a: [v],
+                               int32=None, BlockedLayout=lambda *a: None, max=lambda x, axis: x[0])
+    env = {"gl": gl, "mbarrier": types.SimpleNamespace(wait=wait, arrive=arrive), "_wait": wait, "Pipeline": object}
+    fns = {}
+    for name in ("_draw_tile", "_give_tile", "_take_tile"):
+        src = inspect.getsource(getattr(module, name).fn)
+        src = src[src.index("def "):].replace("mbarrier.wait(", "yield from _wait(")
+        exec(compile(src, module.__file__, "exec"), env)
+        fns[name] = env[name]
+    return fns["_draw_tile"], fns["_give_tile"], fns["_take_tile"]
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_gluon_forward_tile_handoff(dynamic, tmp_path):
+    """Every tile runs once, on the program whose producer drew it, whose consumers take exactly
+    the producer's tiles in its order and stop with it, under random interleavings."""
+    import random
+    from types import SimpleNamespace
+    variant = _variant("causal")
+    for d in (128, 64):
+        source = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon"),
+                                           variant.captures))
+        path = tmp_path / f"fwd{d}.py"
+        path.write_text(source)
+        module = runtime.load(path, True, source)
+        for programs, n_tiles, seed in [(3, 17, 0), (4, 4, 1), (5, 2, 2), (2, 40, 3)]:
+            counter = [0]
+            draw, give, take = _handoff_functions(module, programs, counter)
+            rng = random.Random(seed)
+            drawn, taken, tasks = {}, {}, []
+            for pid in range(programs):
+                p = SimpleNamespace(DYNAMIC=dynamic, tile_ctr=None, tile_smem=_Ring([_Slot(), _Slot()]),
+                                    tile_ready=_Ring([_Barrier(1), _Barrier(1)]),
+                                    tile_empty=_Ring([_Barrier(module.WGS), _Barrier(module.WGS)]))
+
+                def producer(p=p, pid=pid):
+                    i, t = 0, pid
+                    while t < n_tiles:
+                        yield from give(p, i, t)
+                        drawn.setdefault(pid, []).append(t)
+                        yield  # the tile's loads
+                        i, t = i + 1, draw(p, t)
+                    yield from give(p, i, t)
+
+                def consumer(w, p=p, pid=pid):
+                    i = 0
+                    t = yield from take(p, i, pid)
+                    while t < n_tiles:
+                        taken.setdefault((pid, w), []).append(t)
+                        yield  # the tile's steps
+                        i += 1
+                        t = yield from take(p, i, t + programs)
+
+                tasks += [producer()] + [consumer(w) for w in range(module.WGS)]
+            for _ in range(100000):  # resume a random unfinished task until all are done
+                if not tasks:
+                    break
+                task = rng.choice(tasks)
+                try:
+                    next(task)
+                except StopIteration:
+                    tasks.remove(task)
+            assert not tasks, f"deadlock: {len(tasks)} tasks left ({programs} programs, {n_tiles} tiles)"
+            assert sorted(t for ts in drawn.values() for t in ts) == list(range(n_tiles))
+            for (pid, w), ts in taken.items():
+                assert ts == drawn[pid], (pid, w, ts, drawn[pid])
+            assert all((pid, w) in taken for pid in drawn for w in range(module.WGS))
+
 # The Gluon forward's softmax step, as rendered (the mods in Gluon's language, the mask's compares,
 # the scale folding, the online softmax), run on CPU tensors with torch standing in for gl, over the
 # key tiles in the kernel's order with its masked / unmasked choice per tile (only the products and
