@@ -318,10 +318,7 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, cap0_0, cap0_ptr, 
     score_mod = cap0_0*(kv_idx - q_idx) + score
     if MASKED:
         # mask_mod keeps, of query q_idx's row, the keys [-oo, q_idx]: each score compared with its
-        # row's ends (with the end of the keys), relative to the thread's first key. wgmma's
-        # accumulator gives a thread the columns 8 k + 2 (lane % 4) + i: cols - lane are constants,
-        # so each compare takes an immediate and one FSEL follows (FA4's form; SASS, causal at head
-        # dim 64: 727 -> 565 instructions a masked step; compared with kv_idx, two FSEL a score)
+        # row's ends and the end of the keys (plan.lane_compares says why not relative to the thread)
         valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)
         s = gl.where(valid, score_mod * 1.4426950408889634, -float("inf"))
     else:

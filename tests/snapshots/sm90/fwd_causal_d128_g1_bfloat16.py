@@ -315,10 +315,7 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, MASKED: gl.constex
     kv_idx = gl.expand_dims(kb * p.BLOCK_N + gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0)
     if MASKED:
         # mask_mod keeps, of query q_idx's row, the keys [-oo, q_idx]: each score compared with its
-        # row's ends (with the end of the keys), relative to the thread's first key. wgmma's
-        # accumulator gives a thread the columns 8 k + 2 (lane % 4) + i: cols - lane are constants,
-        # so each compare takes an immediate and one FSEL follows (FA4's form; SASS, causal at head
-        # dim 64: 727 -> 565 instructions a masked step; compared with kv_idx, two FSEL a score)
+        # row's ends and the end of the keys (plan.lane_compares says why not relative to the thread)
         valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)
         qk = gl.where(valid, qk, -float("inf"))
     # the scale is positive: max(qk * qk_scale) = max(qk) * qk_scale, and p costs one FMA and one exp2

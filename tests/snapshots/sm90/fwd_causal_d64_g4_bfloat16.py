@@ -301,7 +301,7 @@ def _softmax_step(p: Pipeline, qk, m_i, l_i, kb, b, h, q_idx, MASKED: gl.constex
         # row's ends (with the end of the keys), relative to the thread's first key. wgmma's
         # accumulator gives a thread the columns 8 k + 2 (lane % 4) + i: cols - lane are constants,
         # so each compare takes an immediate and one FSEL follows (FA4's form; SASS, causal at head
-        # dim 64: 727 -> 565 instructions a masked step; compared with kv_idx, two FSEL a score)
+        # dim 64: 725 -> 565 instructions a masked step; compared with kv_idx, two FSEL a score)
         cols = gl.expand_dims(gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0)
         lane = cols & 6
         key0 = kb * p.BLOCK_N + lane  # the thread's first key
