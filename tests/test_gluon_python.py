@@ -716,7 +716,7 @@ class _Desc:
         self.block_type = SimpleNamespace(nbytes=1, shape=[1, 1, rows, 64])
 
 
-def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic):
+def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offsets=None):
     """Run the rendered producer and consumers of `programs` programs over a (B, H, Lq, Lkv) call
     at random interleavings; returns the output tiles stored (coordinates, the key blocks' V tiles
     their P V products read) and the number of tiles."""
@@ -824,7 +824,7 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic):
             v_smem=_SmemRing(f"p{pid}.v", stages), tile_ctr=None, tile_smem=_Ring([_Slot(), _Slot()]),
             H=C(H), N_CTX_Q=C(Lq), N_CTX_KV=C(Lkv), n_m=C(n_m), n_tiles=C(n_tiles), section=C(1), sm_scale=0.1,
             BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=64, STAGES=stages, GROUP=group, WGS=wgs, PACK=pack, DYNAMIC=dynamic,
-            **rings)
+            **rings, **({} if offsets is None else dict(Q_OFF=C(offsets[0]), KV_OFF=C(offsets[1]))))
         tasks += [penv["producer"](p)] + [penv["consumer"](p, w) for w in range(wgs)]
     engine = tma_engine()
     for _ in range(5_000_000):  # resume a random unfinished warp (or the copy engine) until all are done
@@ -839,17 +839,18 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic):
     return stored, n_tiles
 
 
-@pytest.mark.parametrize("name,d,group", [("causal", 128, 1), ("causal", 64, 1), ("full", 128, 1), ("causal", 64, 4),
-                                          ("prefix_lm", 128, 2)])
-def test_gluon_forward_pipeline(name, d, group, tmp_path):
+@pytest.mark.parametrize("name,d,group,offsets", [("causal", 128, 1, None), ("causal", 64, 1, None), ("full", 128, 1, None),
+                                                  ("causal", 64, 4, None), ("prefix_lm", 128, 2, None),
+                                                  ("causal", 128, 1, (640, 384)), ("sliding_window", 128, 2, (300, 0))])
+def test_gluon_forward_pipeline(name, d, group, offsets, tmp_path):
     """The forward's producer and consumers as rendered, at random interleavings of one or more
     programs (drawn tiles and static ones): no deadlock, every S and P V reads the tiles it needs,
     still there when it completes, and each warp group's output carries every key block its tile
     visits once."""
     import random
     variant = _variant(name, H=2 * group)
-    source = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon"),
-                                       variant.captures))
+    spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon", offsets=offsets is not None)  # chunk positions
+    source = codegen.render(plan.build("fwd", variant.analysis, spec, variant.captures))
     path = tmp_path / "fwd.py"
     path.write_text(source)
     module = runtime.load(path, True, source)
@@ -858,11 +859,11 @@ def test_gluon_forward_pipeline(name, d, group, tmp_path):
     bn = module.LAUNCH_TILES["attn_fwd"][1]
     for programs, dynamic, (B, H, Lq, Lkv), seed in [(3, True, (1, 2 * group, 700, 700), 0), (2, False, (2, 2 * group, 300, 450), 1),
                                                      (5, True, (1, 2 * group, 200, 1000), 2), (1, False, (1, 2 * group, 1, 1), 3)]:
-        stored, n_tiles = _pipeline_model(module, programs, random.Random(seed), B, H, Lq, Lkv, group, dynamic)
+        stored, n_tiles = _pipeline_model(module, programs, random.Random(seed), B, H, Lq, Lkv, group, dynamic, offsets)
         from types import SimpleNamespace
         p = SimpleNamespace(section=C(1), n_m=C(n_tiles // (B * H // module.PACK)), n_tiles=C(n_tiles), H=C(H),
                             WGS=module.WGS, BLOCK_M=module.LAUNCH_TILES["attn_fwd"][0], N_CTX_KV=C(Lkv), BLOCK_N=bn,
-                            PACK=module.PACK)
+                            PACK=module.PACK, **({} if offsets is None else dict(Q_OFF=C(offsets[0]), KV_OFF=C(offsets[1]))))
         want = {}
         for t in range(n_tiles):
             b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks = tile(p, C(t))
