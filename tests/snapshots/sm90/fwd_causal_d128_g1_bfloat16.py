@@ -112,36 +112,6 @@ def _sm_count(device) -> int:
 
 
 
-@gluon.jit
-def _block_range(b, h, q_lo, BLOCK_Q: gl.constexpr, N_CTX_KV, BLOCK_N: gl.constexpr):
-    """Key tiles of the Q tile [q_lo, q_lo + BLOCK_Q): (hi, full_lo, full_hi, n_hi, n_masked, n_blocks),
-    in tiles. [lo, full_lo) and [full_hi, hi) run with the mask, [full_lo, full_hi) without; a
-    tile whose keys the mask empties is still visited once (all -inf), so every row is written."""
-    # Tile bounds derived from mask_mod for q_idx in [q_lo, q_hi]:
-    #   reached by some q of the tile: [-oo, q_hi]; by every one: [-oo, q_lo]
-    q_hi = q_lo + BLOCK_Q - 1
-    hi = gl.cdiv(gl.maximum(gl.minimum(q_hi + 1, N_CTX_KV), 0), BLOCK_N)
-    lo = hi * 0
-    full_lo = lo
-    full_hi = gl.maximum(gl.minimum(gl.minimum(q_lo + 1, N_CTX_KV) // BLOCK_N, hi), full_lo)
-    if hi == lo:  # no key reaches the tile: visit tile 0 with the mask (every entry -inf)
-        hi = lo * 0 + 1
-        lo = hi * 0
-        full_lo = hi
-        full_hi = hi
-    n_hi = hi - full_hi
-    n_masked = n_hi + (full_lo - lo)
-    return hi, full_lo, full_hi, n_hi, n_masked, hi - lo
-
-
-@gluon.jit
-def _block(it, hi, full_lo, full_hi, n_hi, n_masked):
-    """The key tile visited at step `it`: the masked ones above the whole tiles (last first), the
-    masked ones below them, then the whole ones (last first)."""
-    return gl.where(it < n_hi, hi - 1 - it, gl.where(it < n_masked, full_lo - 1 - (it - n_hi),
-                                                      full_hi - 1 - (it - n_masked)))
-
-
 @aggregate
 class Pipeline:
     """What every partition shares: the tensor descriptors, the shared-memory buffers and the
@@ -225,6 +195,36 @@ class Pipeline:
 
 
 @gluon.jit
+def _block_range(b, h, q_lo, BLOCK_Q: gl.constexpr, N_CTX_KV, BLOCK_N: gl.constexpr):
+    """Key tiles of the Q tile [q_lo, q_lo + BLOCK_Q): (hi, full_lo, full_hi, n_hi, n_masked, n_blocks),
+    in tiles. [lo, full_lo) and [full_hi, hi) run with the mask, [full_lo, full_hi) without; a
+    tile whose keys the mask empties is still visited once (all -inf), so every row is written."""
+    # Tile bounds derived from mask_mod for q_idx in [q_lo, q_hi]:
+    #   reached by some q of the tile: [-oo, q_hi]; by every one: [-oo, q_lo]
+    q_hi = q_lo + BLOCK_Q - 1
+    hi = gl.cdiv(gl.maximum(gl.minimum(q_hi + 1, N_CTX_KV), 0), BLOCK_N)
+    lo = hi * 0
+    full_lo = lo
+    full_hi = gl.maximum(gl.minimum(gl.minimum(q_lo + 1, N_CTX_KV) // BLOCK_N, hi), full_lo)
+    if hi == lo:  # no key reaches the tile: visit tile 0 with the mask (every entry -inf)
+        hi = lo * 0 + 1
+        lo = hi * 0
+        full_lo = hi
+        full_hi = hi
+    n_hi = hi - full_hi
+    n_masked = n_hi + (full_lo - lo)
+    return hi, full_lo, full_hi, n_hi, n_masked, hi - lo
+
+
+@gluon.jit
+def _block(it, hi, full_lo, full_hi, n_hi, n_masked):
+    """The key tile visited at step `it`: the masked ones above the whole tiles (last first), the
+    masked ones below them, then the whole ones (last first)."""
+    return gl.where(it < n_hi, hi - 1 - it, gl.where(it < n_masked, full_lo - 1 - (it - n_hi),
+                                                      full_hi - 1 - (it - n_masked)))
+
+
+@gluon.jit
 def _tile(p: Pipeline, t):
     """Program tile t -> (b, first query head h, first query position, key-tile schedule). The
     (batch, head) pairs (heads: packs of PACK query heads) run in sections of p.section, Q tile
@@ -275,6 +275,7 @@ def _take_tile(p: Pipeline, i, t):
         t = gl.max(p.tile_smem.index(i % 2).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
         mbarrier.arrive(p.tile_empty.index(i % 2), count=1)
     return t
+
 
 
 @gluon.jit
