@@ -242,6 +242,18 @@ class _Barrier:
         self.count, self.pending, self.completed = count, 0, 0
 
 
+def _wait(bar, parity):
+    """mbarrier.wait as a generator: yields while the phase of that parity has not completed."""
+    while bar.completed % 2 == parity:
+        yield
+
+
+def _arrive(bar, count=1):
+    bar.pending += count
+    if bar.pending == bar.count:
+        bar.completed, bar.pending = bar.completed + 1, 0
+
+
 class _Ring:
     def __init__(self, items):
         self.items = items
@@ -262,22 +274,13 @@ def _handoff_functions(module, programs, counter):
     """_draw_tile, _give_tile, _take_tile of the rendered module, waits turned into yields."""
     import types
 
-    def wait(bar, parity):
-        while bar.completed % 2 == parity:  # mbarrier try_wait.parity: that phase has not completed
-            yield
-
-    def arrive(bar, count=1):
-        bar.pending += count
-        if bar.pending == bar.count:
-            bar.completed, bar.pending = bar.completed + 1, 0
-
     def atomic_add(ptr, value, sem=None):
         counter[0] += value
         return counter[0] - value
 
     gl = types.SimpleNamespace(num_programs=lambda axis: programs, atomic_add=atomic_add, full=lambda shape, v, *a: [v],
                                int32=None, BlockedLayout=lambda *a: None, max=lambda x, axis: x[0])
-    env = {"gl": gl, "mbarrier": types.SimpleNamespace(wait=wait, arrive=arrive), "_wait": wait, "Pipeline": object}
+    env = {"gl": gl, "mbarrier": types.SimpleNamespace(wait=_wait, arrive=_arrive), "_wait": _wait, "Pipeline": object}
     fns = {}
     for name in ("_draw_tile", "_give_tile", "_take_tile"):
         src = inspect.getsource(getattr(module, name).fn)
@@ -729,15 +732,6 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offset
     n_tiles = n_m * B * H // pack
     counter, stored, copies = [0], [], []
 
-    def wait(bar, parity):
-        while bar.completed % 2 == parity:
-            yield
-
-    def arrive(bar, count=1):
-        bar.pending += count
-        if bar.pending == bar.count:
-            bar.completed, bar.pending = bar.completed + 1, 0
-
     def tma_load(desc, coords, bar, slot):
         copies.append((slot, (desc.name, tuple(int(c) for c in coords)), bar))  # lands later (tma_engine)
 
@@ -746,7 +740,7 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offset
             if copies:
                 slot, tag, bar = copies.pop(rng.randrange(len(copies)))
                 slot.tag = tag
-                arrive(bar)
+                _arrive(bar)
             yield
 
     def mma(a, b, acc, use_acc=True, is_async=True):
@@ -782,11 +776,11 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offset
         counter[0] += value
         return C(counter[0] - value)
 
-    env = {"Pipeline": object, "_wait": wait, "warpgroup_mma": mma, "warpgroup_mma_wait": mma_wait,
+    env = {"Pipeline": object, "_wait": _wait, "warpgroup_mma": mma, "warpgroup_mma_wait": mma_wait,
            "_softmax_step": softmax_step, "_round_pairs": lambda x: x, "_tma_load": tma_load,
            "_tma_store": tma_store, "_cta_barrier": lambda: None, "fence_async_shared": lambda: None,
            "tma": types.SimpleNamespace(store_wait=lambda pendings: None),
-           "mbarrier": types.SimpleNamespace(wait=wait, arrive=arrive, expect=lambda bar, n: None)}
+           "mbarrier": types.SimpleNamespace(wait=_wait, arrive=_arrive, expect=lambda bar, n: None)}
     gl = dict(constexpr=object, tensor=object, float32="f32", int32="i32", int64="i64",
               cdiv=_Gl.cdiv, maximum=_Gl.maximum, minimum=_Gl.minimum,
               where=lambda c, x, y: _Val() if isinstance(c, _Val) else (x if c else y),
