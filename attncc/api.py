@@ -60,6 +60,11 @@ class CompiledAttention:
         """The loaded generated module of one kernel ('fwd' or 'bwd') under a Spec."""
         return self._path_and_module(kernel, spec)[1]
 
+    def classifier(self, spec: Spec):
+        """The module whose block_classes kernel sorts a data-dependent mask's tiles into the lists
+        that drive the kernels of either tier (attncc.blocks): the Triton tier's forward."""
+        return self.module("fwd", dataclasses.replace(spec, tier="triton", offsets=False))
+
     def bwd_spec(self, fwd_spec: Spec, learnable: tuple, deterministic: bool = False, kv_len: int | None = None
                  ) -> Spec:
         """The backward's Spec: the forward's plus which captures need gradients (and the tier,

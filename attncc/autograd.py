@@ -75,7 +75,7 @@ class Launch:
         """Tile lists for a data-dependent mask (None when the kernels derive their own bounds)."""
         if not module.BLOCK_SPARSE:
             return None
-        fwd = module if hasattr(module, "classify") else self.compiled.module("fwd", self.spec)  # it classifies
+        fwd = self.compiled.classifier(self.spec)
         caps = runtime.interp_captures(captures) if self.interpret else captures
         args = (module, fwd, caps, q.shape[0], q.shape[1], q.shape[2], k.shape[2], fwd.CLASS_PER_HEAD, q.device)
         if q.is_cuda and _graph_pool_call(q.device):

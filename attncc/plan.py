@@ -351,8 +351,9 @@ def wide_forward(facts, mask_class: str, head_dim: int) -> bool:
     at head dim 64, where the softmax (one exp2 per score) weighs as much as the tile products,
     with the identity score_mod and a mask that does not band the keys. With 160 registers each,
     other mods and a banded mask's code spill (H100, 1x32x16384x64, ms with three / two:
-    ALiBi 4.45 / 3.13, sliding window 0.83 / 0.52)."""
-    return head_dim == 64 and facts.score_identity and mask_class != "banded"
+    ALiBi 4.45 / 3.13, sliding window 0.83 / 0.52), and a mask that reads captured tensors (a document
+    mask: 368 bytes of stack, sm90, triton 3.6)."""
+    return head_dim == 64 and facts.score_identity and mask_class != "banded" and not facts.captures_in_mask
 
 
 def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) -> bool:
@@ -430,7 +431,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     probs_in_pairs = spec.dtype in ("bfloat16", "float16") and (row_max_tree or three)
     packs = kernel == "fwd" and gluon and not block_sparse and packs_gqa(f, mask_class, spec.head_dim, spec.group,
                                                                          spec.offsets)
-    if block_sparse and kernel == "fwd":
+    if block_sparse and kernel == "fwd" and not gluon:  # the Triton tier's forward module classifies for both tiers
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)
     caps = tuple(CaptureArg(i, nd, kind, _describe(i, nd, kind, captures[i] if i < len(captures) else None, f,
                                                    i in spec.in_range))

@@ -179,7 +179,7 @@ def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
         " (three consumer warp groups)" if d == 64 else "")
 
 
-def _unfit(variant, dtype, d, dv, dropout) -> str | None:
+def _unfit(variant, dtype, d, dv, dropout, backward=False) -> str | None:
     if not gluon_available():
         return "this Triton has no Gluon Hopper ops the templates use (needs triton >= 3.6)"
     if dtype not in GLUON_DTYPES:
@@ -188,8 +188,8 @@ def _unfit(variant, dtype, d, dv, dropout) -> str | None:
         return f"head dims {d} / {dv}: the Gluon tier takes equal head dims of {' or '.join(map(str, GLUON_HEAD_DIMS))}"
     if dropout:
         return "dropout: the Gluon tier has no dropout yet"
-    if _mask_reads_tensors(variant):
-        return "the mask reads captured tensors (block-sparse tile lists): the Gluon tier derives bounds only"
+    if backward and _mask_reads_tensors(variant):
+        return "the mask reads captured tensors (block-sparse tile lists): the Gluon backward derives bounds only"
     ops = _libdevice_ops(variant)
     if ops:
         return f"the mods use {', '.join(ops)}, which the Triton tier computes with libdevice"
@@ -218,7 +218,7 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
     if sm(fwd_spec.target) != 90:
         return "triton", f"the Gluon tier is built for sm90 (Hopper); this target is {fwd_spec.target}"
     d = fwd_spec.head_dim
-    why_not = _unfit(variant, fwd_spec.dtype, d, fwd_spec.head_dim_v, fwd_spec.dropout)
+    why_not = _unfit(variant, fwd_spec.dtype, d, fwd_spec.head_dim_v, fwd_spec.dropout, backward=True)
     if why_not is None and learnable and _indexed_by_both_positions(variant, learnable):
         why_not = ("a learnable captured tensor indexed by both q_idx and kv_idx: the Triton tier sums its "
                    "gradient per diagonal of a tile, the Gluon backward would add per score")

@@ -61,6 +61,9 @@ class _CInt(int):
     def __neg__(a):
         return _CInt(-int(a))
 
+    def to(a, dtype):
+        return a
+
     @_ints_only
     def __floordiv__(a, b):
         q = abs(int(a)) // abs(int(b))
@@ -80,6 +83,8 @@ class _CInt(int):
 
 
 class _Gl:
+    int64 = "int64"
+    load = staticmethod(lambda ptr: _CInt(int(ptr.flat[ptr.offset])))  # a tile list's entry (_Ptr)
     cdiv = staticmethod(lambda a, b: (_CInt(a) + b - 1) // b)
     maximum = staticmethod(lambda a, b: _CInt(max(int(a), int(b))))
     minimum = staticmethod(lambda a, b: _CInt(min(int(a), int(b))))
@@ -473,6 +478,91 @@ def test_gluon_forward_softmax_step_matches_reference(name, d, offsets, tmp_path
         assert torch.isfinite(out).all()
         err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert err < 1e-5, (name, d, Lq, Lkv, q_off, kv_off, err)
+
+
+def _sparse_masks(L):
+    """Masks that read captured tensors (block-sparse: the kernels' loops run from tile lists):
+    causal documents of 600 positions and more, and blocks of 64 kept at random per head (some
+    query rows keep no key)."""
+    g = torch.Generator().manual_seed(5)
+    docs = (torch.arange(L) >= 600).int() + (torch.arange(L) >= 900).int()
+    table = torch.rand(2, L // 64 + 1, L // 64 + 1, generator=g) < 0.6
+    table[:, 3] = False  # queries [192, 256) keep nothing
+    return {"document_causal": lambda b, h, q, k: (docs[q] == docs[k]) & (q >= k),
+            "block_table": lambda b, h, q, k: table[h, q // 64, k // 64]}
+
+
+@pytest.mark.parametrize("name,d", [("document_causal", 128), ("document_causal", 64), ("block_table", 128)])
+def test_gluon_forward_tile_lists_match_reference(name, d, tmp_path):
+    """A data-dependent mask in the Gluon forward: each Q tile's key tiles from the tile lists the
+    Triton tier's block_classes kernel makes (run here by the interpreter), read by the rendered
+    _tile and _block; partial tiles with the mask code (captured-tensor loads), full ones without,
+    a Q tile that keeps nothing visits tile 0 masked; against the float64 reference."""
+    from types import SimpleNamespace
+    from attncc import blocks
+    L, H = 1000, 2
+    mask_mod = _sparse_masks(L)[name]
+    variant = attncc.Variant(None, mask_mod)
+    spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon")
+    built = plan.build("fwd", variant.analysis, spec, variant.captures)
+    assert built.block_sparse and built.class_per_head == (name == "block_table")
+    source = codegen.render(built)
+    path = tmp_path / "fwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    assert module.BLOCK_SPARSE and module.WGS == 2  # three warp groups spill with the mask's loads
+    classifier = attncc.compile(variant).classifier(Spec("bfloat16", d, d, 1, "interpreter"))
+    step, tile, block = _softmax_step_in_torch(module), _in_python(module._tile), _in_python(module._block)
+    bm, bn = module.LAUNCH_TILES["attn_fwd"][:2]
+    bq, scale, C = module.WGS * bm, 0.125, _CInt
+    g = torch.Generator().manual_seed(4)
+    caps = [c.tensor for c in variant.captures]
+    cap_args = _cap_args(caps)
+    seen = set()  # what the tile lists held: partial and full tiles, Q tiles that keep no key
+    for Lq, Lkv in [(1000, 1000), (300, 420), (1000, 17), (17, 1)]:
+        fine = blocks.fine_classes(classifier, caps, 1, H, Lq, Lkv, module.CLASS_PER_HEAD, "cpu")
+        p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner = blocks.tile_lists(fine, *module.TILES["attn_fwd"], False)
+        n_m = -(-Lq // bq)
+        p = SimpleNamespace(section=C(1), n_m=C(n_m), n_tiles=C(n_m * H), H=C(H), WGS=module.WGS, BLOCK_M=bm, PACK=1,
+                            CLS_OUTER=C(n_outer), CLS_INNER=C(n_inner), cls_partial_cnt=_Ptr(p_cnt.reshape(-1)),
+                            cls_partial_idx=_Ptr(p_idx.reshape(-1)), cls_full_cnt=_Ptr(f_cnt.reshape(-1)),
+                            cls_full_idx=_Ptr(f_idx.reshape(-1)), BLOCK_N=bn, sm_scale=scale, N_CTX_KV=Lkv)
+        q, k, v = (torch.randn(H, n, d, generator=g) for n in (Lq, Lkv, Lkv))
+        out = torch.zeros(H, Lq, d, dtype=torch.float64)
+        for t in range(n_m * H):
+            b, h, m0, partial, full, n_masked, n = (int(x) if isinstance(x, int) else x for x in tile(p, C(t)))
+            b_t, h_t = torch.tensor(b), torch.tensor(h)
+            q_idx = (m0 + torch.arange(bq))[:, None]
+            hoisted = [eval(text, {"gl": _GlTorch()}, dict(b=b_t, h=h_t, q_idx=q_idx, **dict(zip(
+                [a for c in built.captures for a in ", ".join(c.args).split(", ")], cap_args))))
+                for _, text in built.mods["attn_fwd"].hoisted]
+            q_tile = torch.zeros(bq, d)
+            q_tile[:min(bq, Lq - m0)] = q[h, m0:m0 + bq]
+            m_i, l_i, o = torch.full((bq,), -float("inf")), torch.zeros(bq), torch.zeros(bq, d)
+            visits = [int(block(C(it), partial, full, C(n_masked))) for it in range(n)]
+            row = (h if module.CLASS_PER_HEAD else 0, m0 // bq)
+            listed = int(p_cnt.view(-1, n_outer)[row] + f_cnt.view(-1, n_outer)[row])
+            seen |= {"partial"} if listed and n_masked else {"empty"} if not listed else set()
+            seen |= {"full"} if n > n_masked else set()
+            assert len(set(visits)) == n >= 1 and all(0 <= kb < max(1, -(-Lkv // bn)) for kb in visits), visits
+            for it, kb in enumerate(visits):
+                k_tile, v_tile = torch.zeros(bn, d), torch.zeros(bn, d)  # TMA zero-fills past the end
+                k_tile[:max(0, min(bn, Lkv - kb * bn))] = k[h, kb * bn:(kb + 1) * bn]
+                v_tile[:max(0, min(bn, Lkv - kb * bn))] = v[h, kb * bn:(kb + 1) * bn]
+                probs, m_i, l_i, alpha = step(p, q_tile @ k_tile.T, m_i, l_i, torch.tensor(kb), b_t, h_t, q_idx, *hoisted,
+                                              *cap_args, it == 0 or it < n_masked)
+                o = o * alpha[:, None] + probs @ v_tile
+            rows = min(bq, Lq - m0)
+            out[h, m0:m0 + rows] = torch.where(l_i[:rows, None] == 0, 0.0, o[:rows] / l_i[:rows, None]).double()
+        qp, kp = torch.arange(Lq)[:, None], torch.arange(Lkv)[None, :]
+        for h in range(H):
+            s = (q[h].double() @ k[h].double().T) * scale
+            s = s.masked_fill(~mask_mod(0, torch.tensor(h), qp, kp).expand(Lq, Lkv), -float("inf"))
+            ref = torch.nan_to_num(torch.softmax(s, dim=1), nan=0.0) @ v[h].double()
+            assert torch.isfinite(out[h]).all()
+            err = ((out[h] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            assert err < 1e-5, (name, d, Lq, Lkv, h, err)
+    assert seen == {"partial", "full", "empty"}, seen
 
 
 def test_gluon_forward_row_max_tree_is_the_row_max(tmp_path):

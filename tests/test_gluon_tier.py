@@ -55,7 +55,14 @@ def test_tier_choice(monkeypatch):
                       (("interpreter", "bfloat16", 128, 128, False), "sm90")]:
         tier, reason = tiers.choose(causal, *args)
         assert tier == "triton" and why in reason, (args, reason)
-    tier, reason = tiers.choose(_variant("document"), "cuda-sm90", "bfloat16", 128, 128, False)
+    # a mask reading tensors: the forward's key loops run from tile lists (attncc.blocks); at head dim 64
+    # its loads spill three warp groups' registers, and two measured slower than the Triton tier
+    document = _variant("document")
+    assert tiers.choose(document, "cuda-sm90", "bfloat16", 128, 128, False)[0] == "gluon"
+    tier, reason = tiers.choose(document, "cuda-sm90", "bfloat16", 64, 64, False, length=16384)
+    assert tier == "triton" and "three consumer warp groups" in reason
+    tier, reason = tiers.choose_backward(document, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"), (), False,
+                                         16384)
     assert tier == "triton" and "captured tensors" in reason
     tier, reason = tiers.choose(attncc.Variant(lambda s, b, h, q, k: s + torch.atan(s)), "cuda-sm90", "bfloat16",
                                 128, 128, False)
@@ -190,6 +197,7 @@ SNAPSHOTS = Path(__file__).parent / "snapshots" / "sm90"
 SNAPSHOT_CASES = [("fwd", "causal", 128, 1, "bfloat16"), ("fwd", "full", 64, 1, "bfloat16"),  # two / three warp groups
                   ("fwd", "alibi", 128, 4, "float16"),  # a captured tensor, GQA
                   ("fwd", "causal", 64, 4, "bfloat16"),  # GQA's query heads packed into the tile (plan.pack_gqa)
+                  ("fwd", "document", 128, 1, "bfloat16"),  # a mask reading tensors: tile lists drive the loops
                   ("bwd", "softcap", 128, 1, "bfloat16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
                   ("fwd-cp", "causal", 128, 1, "bfloat16"), ("bwd-cp", "prefix_lm", 128, 1, "bfloat16")]
 
@@ -273,11 +281,13 @@ def compile_for_sm90(fn, args, kwargs):
 
 
 offsets = [1024, 513] if kind.endswith("-cp") else []  # Q_OFF, KV_OFF: a chunk of a longer sequence
+# a data-dependent mask's tile lists (attncc.blocks): counts and indices of partial and full tiles, CLS_OUTER, CLS_INNER
+lists = [torch.zeros(64, dtype=torch.int32) for _ in range(4)] + [5, 7] if module.BLOCK_SPARSE else []
 if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
     pack = module.PACK  # query heads packed into a tile's rows (GQA)
     args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m, pack), rows, *caps, torch.zeros(1, dtype=torch.int32), H, B * H // pack, Lq, Lkv,
+            module._descriptor(out, block_m, pack), rows, *caps, *lists, torch.zeros(1, dtype=torch.int32), H, B * H // pack, Lq, Lkv,
             4, 0.125, *offsets]  # sections of 4
     dynamic = not module.PERSISTENT  # tiles of unequal work: the tile counter's code (static for the others)
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
@@ -315,7 +325,8 @@ TRITON_36 = os.environ.get("ATTNCC_TRITON_36")
 
 
 TRIG = "trig"  # score_mod with sin, cos and sigmoid (printed as Gluon's functions or its helpers)
-CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG]] + [
+CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG, "document"]] + [
+    ("fwd", "document", 64, 2, "bfloat16"), ("fwd-cp", "document", 128, 1, "float16"),  # tile lists (block-sparse)
     ("fwd", "causal", 128, 4, "float16"), ("fwd", "alibi", 64, 2, "bfloat16"), ("fwd", "full", 64, 1, "float16"),
     ("fwd", "full", 64, 1, "bfloat16"),  # P rounded in pairs (plan.probs_in_pairs)
     ("fwd", "causal", 64, 4, "bfloat16")] + [
@@ -342,9 +353,9 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)
     assert module.TIER == "gluon"
     if kind.startswith("fwd"):  # three consumer warp groups where plan.wide_forward grants them
-        assert module.WGS == (3 if d == 64 and name in ("full", "causal") else 2)
+        assert module.WGS == (3 if d == 64 and name in ("full", "causal", "document") else 2)
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
-    helper, param = (module._block_range, "BLOCK_Q") if kind.startswith("fwd") else (module._q_range, "BLOCK_KV")
+    helper, param = (module._tile, "p") if kind.startswith("fwd") else (module._q_range, "BLOCK_KV")
     assert not isinstance(inspect.signature(helper.fn).parameters[param].annotation, str)
     shapes = [list(c.tensor.shape) for c in variant.captures]
     for triton_dir in [None] + ([TRITON_36] if TRITON_36 else []):  # this Triton, then the GPU machines' 3.6

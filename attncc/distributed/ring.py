@@ -104,7 +104,7 @@ def _work(s: Setup, *tensors):
 def _blocks(s: Setup, module, caps, q, i, j, kv_len, kv_off):
     if not module.BLOCK_SPARSE:
         return None
-    fwd = module if hasattr(module, "classify") else s.compiled.module("fwd", s.spec)
+    fwd = s.compiled.classifier(s.spec)
     return blocks.for_module(module, fwd, caps, q.shape[0], q.shape[1], q.shape[2], kv_len, fwd.CLASS_PER_HEAD,
                              q.device, (i * s.cq, kv_off))
 
@@ -123,7 +123,7 @@ def _tile_empty(s: Setup, caps, q) -> frozenset:
     """The pairs this rank meets (its query chunks, the ring's steps) that a mask reading captured
     tensors empties, from their tile classes, read on the host once for all of them (the forward
     and the backward of the call ask again and again); none for other masks."""
-    fwd = s.compiled.module("fwd", s.spec)
+    fwd = s.compiled.classifier(s.spec)
     world = len(s.layout.chunks)
     met = sorted({j for step in range(s.steps) for j in s.layout.chunks[(s.rank - step) % world]})
     todo = [(i, j) for i in s.mine for j in met if (i, j) not in s.empty]
