@@ -18,6 +18,7 @@ import torch
 from .blockmask import fine_table
 
 FINE = 32  # divides every tile size attncc uses (32, 64, 128)
+KEYS_OUTER = ("attn_bwd_dkdv", "attn_bwd")  # kernels whose programs own key tiles and loop over query tiles
 _lock = threading.RLock()
 _cache: OrderedDict = OrderedDict()
 _CACHE_SIZE = 16
@@ -54,7 +55,9 @@ def fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head: bool, device, of
 
 def tile_lists(fine: torch.Tensor, outer: int, inner: int, transpose: bool):
     """(partial_cnt, partial_idx, full_cnt, full_idx, n_outer, n_inner) for tiles of
-    outer x inner (rows of the table are queries; ``transpose`` makes them keys)."""
+    outer x inner (rows of the table are queries; ``transpose`` makes them keys). Each row of an
+    index list holds its tiles first, then the others in order: a row with none starts with tile 0
+    (the Gluon forward visits that tile, masked, where a Q tile keeps no key)."""
     t = fine.transpose(1, 2) if transpose else fine
     ro, ri = outer // FINE, inner // FINE
     X, no, ni = t.shape
@@ -112,6 +115,6 @@ def _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device, of
             live = {id(t) for t, _ in _cache.values()}  # drop the lists of evicted tables
             for stale in [k for k in _lists if k[0] not in live]:
                 del _lists[stale]
-            hit = _lists[key] = (fine, tile_lists(fine, o, i, transpose=fn == "attn_bwd_dkdv"))
+            hit = _lists[key] = (fine, tile_lists(fine, o, i, transpose=fn in KEYS_OUTER))
         out[fn] = hit[1]
     return out

@@ -43,6 +43,11 @@ GLUON_PAYS_SCORED = {128: 2048}
 # shortest length (H200, 2026-11-28, benchmarks/gluon/gluon_fwd_probe.py, GQA 4:1 causal, Triton /
 # Gluon ms): 16x32x1024x64 0.225 / 0.258, 8x32x2048x64 0.386 / 0.370
 GLUON_PAYS_PACKED = {64: 2048}
+# ... and where the mask reads captured tensors (tile lists drive the key loops), head dim -> the
+# shortest length (H200, 2026-11-28, benchmarks/tier_ab.py, causal documents, Triton / Gluon ms):
+# 16x16x1024x128 0.134 / 0.194, 4x16x4096x128 0.232 / 0.250, 1x16x16384x128 0.597 / 0.524 (at head
+# dim 64 two warp groups: 4x32x4096 0.279 / 0.404, 1x32x16384 0.704 / 0.788)
+GLUON_PAYS_SPARSE = {128: 16384}
 
 # Where the Gluon backward measured faster than the Triton tier's (bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
@@ -71,6 +76,8 @@ def gluon_pays(variant, d: int, group: int = 1, offsets: bool = False) -> int:
     """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d,
     ``group`` query heads a K/V head (``offsets``: on chunks of a longer sequence)."""
     facts = variant.analysis.facts
+    if facts.captures_in_mask and d in GLUON_PAYS_SPARSE:
+        return GLUON_PAYS_SPARSE[d]
     if facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
         return GLUON_PAYS_UNMASKED[d]
     if not facts.score_identity and d in GLUON_PAYS_SCORED:
@@ -179,7 +186,7 @@ def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
         " (three consumer warp groups)" if d == 64 else "")
 
 
-def _unfit(variant, dtype, d, dv, dropout, backward=False) -> str | None:
+def _unfit(variant, dtype, d, dv, dropout) -> str | None:
     if not gluon_available():
         return "this Triton has no Gluon Hopper ops the templates use (needs triton >= 3.6)"
     if dtype not in GLUON_DTYPES:
@@ -188,8 +195,6 @@ def _unfit(variant, dtype, d, dv, dropout, backward=False) -> str | None:
         return f"head dims {d} / {dv}: the Gluon tier takes equal head dims of {' or '.join(map(str, GLUON_HEAD_DIMS))}"
     if dropout:
         return "dropout: the Gluon tier has no dropout yet"
-    if backward and _mask_reads_tensors(variant):
-        return "the mask reads captured tensors (block-sparse tile lists): the Gluon backward derives bounds only"
     ops = _libdevice_ops(variant)
     if ops:
         return f"the mods use {', '.join(ops)}, which the Triton tier computes with libdevice"
@@ -218,7 +223,7 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
     if sm(fwd_spec.target) != 90:
         return "triton", f"the Gluon tier is built for sm90 (Hopper); this target is {fwd_spec.target}"
     d = fwd_spec.head_dim
-    why_not = _unfit(variant, fwd_spec.dtype, d, fwd_spec.head_dim_v, fwd_spec.dropout, backward=True)
+    why_not = _unfit(variant, fwd_spec.dtype, d, fwd_spec.head_dim_v, fwd_spec.dropout)
     if why_not is None and learnable and _indexed_by_both_positions(variant, learnable):
         why_not = ("a learnable captured tensor indexed by both q_idx and kv_idx: the Triton tier sums its "
                    "gradient per diagonal of a tile, the Gluon backward would add per score")

@@ -83,6 +83,8 @@ class _CInt(int):
 
 
 class _Gl:
+    pid = 0  # gl.program_id(0) of the program the test runs
+    program_id = staticmethod(lambda axis: _CInt(_Gl.pid))
     int64 = "int64"
     load = staticmethod(lambda ptr: _CInt(int(ptr.flat[ptr.offset])))  # a tile list's entry (_Ptr)
     cdiv = staticmethod(lambda a, b: (_CInt(a) + b - 1) // b)
@@ -638,6 +640,7 @@ def _bwd_step_in_torch(module):
     env = {"gl": _GlBwd(), "_tanh": torch.tanh, "_sigmoid": torch.sigmoid, "Pipeline": object,
            "mbarrier": SimpleNamespace(wait=lambda *a, **k: None, arrive=lambda *a, **k: None),
            "fence_async_shared": lambda: None, "warpgroup_mma": _mma,
+           "_floor_div": lambda a, b: torch.div(a, b, rounding_mode="floor"), "_floor_mod": torch.remainder,
            "warpgroup_mma_wait": lambda num_outstanding, deps: deps[0] if len(deps) == 1 else tuple(deps)}
     exec(compile(src, module.__file__, "exec"), env)
     return env["_step"]
@@ -646,14 +649,17 @@ def _bwd_step_in_torch(module):
 BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
                   ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False),
                   ("alibi-learn", 128, True), ("row_biases-learn", 64, False),  # capture gradients: per-step sums, atomics
-                  ("alibi-gqa", 64, False), ("causal-gqa", 128, True)]  # GQA 2: query heads in one program (64) or one each
+                  ("alibi-gqa", 64, False), ("causal-gqa", 128, True),  # GQA 2: query heads in one program (64) or one each
+                  ("document_causal", 128, False), ("block_table", 64, False)]  # tile lists (data-dependent masks)
 
 
 @pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=_step_ids(BWD_STEP_CASES))
 def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     from types import SimpleNamespace
+    from attncc import blocks
     name, learn, group = name.split("-")[0], name.endswith("-learn"), 2 if name.endswith("-gqa") else 1
-    variant = _variant(name, H=2)
+    sparse = _sparse_masks(1000)
+    variant = attncc.Variant(None, sparse[name]) if name in sparse else _variant(name, H=2)
     caps = [c.tensor for c in variant.captures]
     learnable = tuple(range(len(caps))) if learn else ()
     spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon", offsets=offsets, learnable=learnable)
@@ -663,7 +669,9 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     path.write_text(source)
     module = runtime.load(path, True, source)
     step = _bwd_step_in_torch(module)
-    q_range, q_block, q_rotation = (_in_python(f) for f in (module._q_range, module._q_block, module._q_rotation))
+    q_block = _in_python(module._q_block)
+    if not module.BLOCK_SPARSE:
+        q_range, q_rotation = _in_python(module._q_range), _in_python(module._q_rotation)
     bm, bn, _, stages = module.LAUNCH_TILES["attn_bwd"]
     bk, dq_n, scale, C = 2 * bn, bm * d // 128, 0.125, _CInt
     Lq, Lkv, q_off, kv_off = (200, 333, 300, 260) if offsets else (300, 250, 0, 0)
@@ -703,18 +711,39 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
                         k_smem=_Smem(torch.zeros(bk, d)), v_smem=_Smem(torch.zeros(bk, d)))
     got = [torch.zeros(group, Lq, d), torch.zeros(Lkv, d), torch.zeros(Lkv, d)]
     heads = 1 if Lkv >= module.SPLIT_HEADS_FROM else group  # query heads per program, as the launcher
+    if module.BLOCK_SPARSE:  # the K/V tiles' query-tile lists, from the Triton tier's block_classes (interpreted)
+        assert name in sparse and heads == 1
+        classifier = attncc.compile(variant).classifier(Spec("bfloat16", d, d, 1, "interpreter"))
+        fine = blocks.fine_classes(classifier, caps, 1, 1, Lq, Lkv, module.CLASS_PER_HEAD, "cpu")
+        p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner = blocks.tile_lists(fine, *module.TILES["attn_bwd"], True)
+        assert int(f_cnt.sum()) and int(p_cnt.sum())  # both kinds of tiles to run
+        program = _in_python(module._program)
+        vars(p).update(H=C(1), PAIRS=C(1), HEADS=1, CHUNK=C(1), CLS_OUTER=C(n_outer), CLS_INNER=C(n_inner),
+                       cls_partial_cnt=_Ptr(p_cnt.reshape(-1)), cls_partial_idx=_Ptr(p_idx.reshape(-1)),
+                       cls_full_cnt=_Ptr(f_cnt.reshape(-1)), cls_full_idx=_Ptr(f_idx.reshape(-1)))
     for h0, kv_lo in ((h0, kv_lo) for h0 in range(0, group, heads) for kv_lo in range(0, Lkv, bk)):
         # a program: its K/V tile, its query heads' tiles in the kernel's order
         rows = min(bk, Lkv - kv_lo)
         p.k_smem.t.zero_()[:rows] = k[kv_lo:kv_lo + rows].float()
         p.v_smem.t.zero_()[:rows] = v[kv_lo:kv_lo + rows].float()
-        full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h0), C(kv_off + kv_lo if offsets else kv_lo), bk, C(Lq),
-                                                          C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
-        rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
+        if module.BLOCK_SPARSE:
+            _Gl.pid = kv_lo // bk
+            _, _, lo, partial, full, n_masked, n = program(p)
+            assert int(lo) == kv_lo
+
+            def tile(i, partial=partial, full=full, n_masked=n_masked):
+                return q_block(C(i), partial, full, n_masked)
+        else:
+            full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h0), C(kv_off + kv_lo if offsets else kv_lo), bk,
+                                                              C(Lq), C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
+            rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
+
+            def tile(i, args=(full_lo, full_hi, hi, n_hi, n_masked, rot)):
+                return q_block(C(i), *args)
         kv_idx = [(kv_lo + wg * bn + torch.arange(bn))[:, None] + (kv_off if offsets else 0) for wg in (0, 1)]
         acc = [[torch.zeros(bn, d), torch.zeros(bn, d)] for _ in (0, 1)]
         for j in range(int(n) * heads):
-            m0, hq = int(q_block(C(j // heads), full_lo, full_hi, hi, n_hi, n_masked, rot)) * bm, h0 + j % heads
+            m0, hq = int(tile(j // heads)) * bm, h0 + j % heads
             slot, qr = j % stages, min(bm, Lq - m0)
             for buf, src in ((p.q_smem, q), (p.do_smem, do), (p.lse_smem, lse2), (p.delta_smem, delta)):
                 buf.t[slot].zero_()[:qr] = src[hq, m0:m0 + qr].float()  # TMA zero-fills; row statistics are 0 past the end

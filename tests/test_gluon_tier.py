@@ -58,12 +58,11 @@ def test_tier_choice(monkeypatch):
     # a mask reading tensors: the forward's key loops run from tile lists (attncc.blocks); at head dim 64
     # its loads spill three warp groups' registers, and two measured slower than the Triton tier
     document = _variant("document")
-    assert tiers.choose(document, "cuda-sm90", "bfloat16", 128, 128, False)[0] == "gluon"
+    assert tiers.choose(document, "cuda-sm90", "bfloat16", 128, 128, False, length=16384)[0] == "gluon"
+    tier, reason = tiers.choose(document, "cuda-sm90", "bfloat16", 128, 128, False, length=16383)
+    assert tier == "triton" and "(< 16384)" in reason
     tier, reason = tiers.choose(document, "cuda-sm90", "bfloat16", 64, 64, False, length=16384)
     assert tier == "triton" and "three consumer warp groups" in reason
-    tier, reason = tiers.choose_backward(document, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"), (), False,
-                                         16384)
-    assert tier == "triton" and "captured tensors" in reason
     tier, reason = tiers.choose(attncc.Variant(lambda s, b, h, q, k: s + torch.atan(s)), "cuda-sm90", "bfloat16",
                                 128, 128, False)
     assert tier == "triton" and "atan" in reason
@@ -301,7 +300,7 @@ else:
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, dkv, dkv, *dkv.stride(), *dkv.stride(), *caps,
-            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets]
+            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets, *lists]
     adds = dict(ADD_DKV=True) if offsets else {}  # chunk kernels: the path that adds to earlier pairs' sums
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                              GROUP=group, HEADS=heads,
@@ -331,7 +330,8 @@ CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG, "
     ("fwd", "full", 64, 1, "bfloat16"),  # P rounded in pairs (plan.probs_in_pairs)
     ("fwd", "causal", 64, 4, "bfloat16")] + [
     ("bwd", name, 128, 1, "bfloat16") for name in ("full", "causal", "alibi", "softcap", "rel_bias", TRIG)] + [
-    ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"), ("bwd", "softcap", 64, 1, "bfloat16"),
+    ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
+    ("bwd", "document", 128, 1, "bfloat16"), ("bwd", "document", 64, 2, "float16"),  # tile lists (block-sparse) ("bwd", "softcap", 64, 1, "bfloat16"),
     ("bwd", "sliding_window", 128, 1, "bfloat16"), ("bwd", "prefix_lm", 128, 1, "bfloat16"),  # masks as row intervals
     ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
     ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16")] + [  # dcap atomics
@@ -353,9 +353,9 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)
     assert module.TIER == "gluon"
     if kind.startswith("fwd"):  # three consumer warp groups where plan.wide_forward grants them
-        assert module.WGS == (3 if d == 64 and name in ("full", "causal", "document") else 2)
+        assert module.WGS == (3 if d == 64 and name in ("full", "causal") else 2)
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
-    helper, param = (module._tile, "p") if kind.startswith("fwd") else (module._q_range, "BLOCK_KV")
+    helper, param = (module._tile, "p") if kind.startswith("fwd") else (module._program, "p")
     assert not isinstance(inspect.signature(helper.fn).parameters[param].annotation, str)
     shapes = [list(c.tensor.shape) for c in variant.captures]
     for triton_dir in [None] + ([TRITON_36] if TRITON_36 else []):  # this Triton, then the GPU machines' 3.6

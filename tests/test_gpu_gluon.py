@@ -31,8 +31,7 @@ SHAPES = {"1x2x1x1": (1, 2, 2, 1, 1, 128), "2x3x17": (2, 3, 3, 17, 17, 128), "gq
           "D64-gqa4:2-Lq1000": (2, 4, 2, 1000, 1000, 64),  # two query heads packed into a tile (plan.pack_gqa)
           "D64-gqa16:2-Lq300-Lkv777": (1, 16, 2, 300, 777, 64)}  # eight
 FP16_SHAPES = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq17-Lkv1000", "D64-Lq300-Lkv1500")  # fp16: fewer shapes (each dtype compiles its kernels)
-# the backward of a mask reading tensors (tile lists) keeps the Triton tier
-GLUON_BWD_VARIANTS = [n for n in NAMES if n != "document"]
+GLUON_BWD_VARIANTS = NAMES
 
 
 def _modules(tier: str):

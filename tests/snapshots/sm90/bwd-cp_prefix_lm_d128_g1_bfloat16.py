@@ -578,7 +578,7 @@ SPLIT_HEADS_FROM = 0
 TILES = {"attn_bwd": (128, 64)}  # (outer, inner) tile of each kernel
 HOST_KERNELS = ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq")
 LAUNCH_TILES = {"attn_bwd": (64, 64, 4, 2)}
-BLOCK_SPARSE = False
+BLOCK_SPARSE = False  # tile lists of the mask's classes (attncc.blocks) drive the query loops
 CLASS_PER_HEAD = False
 TIER = "gluon"
 
