@@ -69,7 +69,8 @@ class CompiledAttention:
                  ) -> Spec:
         """The backward's Spec: the forward's plus which captures need gradients (and the tier,
         which may depend on whether ``kv_len`` keys are long enough for the Gluon backward)."""
-        long = tiers.long_enough(fwd_spec.head_dim, fwd_spec.group, kv_len)
+        sparse = bool(self.variant.analysis.facts.captures_in_mask)
+        long = tiers.long_enough(fwd_spec.head_dim, fwd_spec.group, kv_len, sparse)
         key = (fwd_spec, tuple(learnable), deterministic, config.atomic_dq(), config.tier(), long)
         spec = self._bwd_specs.get(key)
         if spec is None:
@@ -241,8 +242,9 @@ class CompiledAttention:
             spec = Spec("bfloat16", d, d, 1, "cuda-sm90", v.dropout_p > 0, tier=tier)
             tier, why = tiers.choose_backward(v, spec, (), False)
             line = f"  backward, sm90, bfloat16, head dim {d}: {tier} ({why})"
-            if tier == "triton" and tiers.gluon_bwd_pays(d) and config.tier() == "auto":
-                longer = tiers.gluon_bwd_pays(d)
+            sparse = bool(v.analysis.facts.captures_in_mask)
+            if tier == "triton" and tiers.gluon_bwd_pays(d, 1, sparse) and config.tier() == "auto":
+                longer = tiers.gluon_bwd_pays(d, 1, sparse)
                 tier, why = tiers.choose_backward(v, spec, (), False, longer)
                 line += f"; from {longer} keys: {tier}" + (f" ({why})" if tier == "gluon" else "")
             lines.append(line)

@@ -67,6 +67,11 @@ GLUON_BWD_PAYS = {64: 1024, 128: 1024}
 # ... and under GQA, where each query head's programs add their dK, dV into float32 sums (and
 # rounding them is a pass of its own): H200 16x16x1024x128 GQA 4:1 causal 0.587 / 0.622
 GLUON_BWD_PAYS_GQA = {64: 2048, 128: 2048}
+# ... and where the mask reads captured tensors (tile lists drive the query loops): H200
+# (2026-11-28, tier_ab.py --backward, causal documents, Triton / Gluon ms) 16x16x1024x128 0.373 /
+# 0.440, 4x16x4096x128 0.654 / 0.635, 1x16x16384x128 1.631 / 1.356; 4x32x4096x64 0.722 / 0.784,
+# 1x32x16384x64 1.884 / 1.667
+GLUON_BWD_PAYS_SPARSE = {64: 16384, 128: 4096}
 
 
 _packs: dict = {}  # (variant, head dim, group, offsets) -> plan.packs_gqa
@@ -181,7 +186,7 @@ def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
         return "triton", f"head dim {d}: the Gluon forward measured slower than the Triton tier's (tiers.GLUON_PAYS)"
     if want == "auto" and d == 64 and not plan.wide_forward(variant.analysis.facts, plan.forward_mask_class(variant.analysis), d):
         return "triton", ("head dim 64: the Gluon forward pays with three consumer warp groups, which need the identity "
-                          "score_mod and a mask that does not band the keys (plan.wide_forward)")
+                          "score_mod and a mask that neither bands the keys nor reads tensors (plan.wide_forward)")
     return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {dtype}, head dim {d}: measured faster" + (
         " (three consumer warp groups)" if d == 64 else "")
 
@@ -238,30 +243,33 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
         return "triton", why_not
     if want == "gluon":
         return "gluon", "ATTNCC_TIER=gluon"
-    why_not = _bwd_slower(d, fwd_spec.group, kv_len)
+    why_not = _bwd_slower(d, fwd_spec.group, kv_len, bool(variant.analysis.facts.captures_in_mask))
     if why_not:
         return "triton", f"{why_not}: the Gluon backward measured slower than the Triton tier's (tiers.gluon_bwd_pays)"
     return "gluon", f"sm90, {fwd_spec.dtype}, head dim {d}, {kv_len} keys: measured faster"
 
 
-def gluon_bwd_pays(d: int, group: int = 1) -> int | None:
+def gluon_bwd_pays(d: int, group: int = 1, sparse: bool = False) -> int | None:
     """The shortest K/V length from which ``auto`` runs the Gluon backward at head dim d with
-    ``group`` query heads per K/V head (None: at no length)."""
+    ``group`` query heads per K/V head (``sparse``: a mask that reads captured tensors; None: at
+    no length)."""
+    if sparse:
+        return max(GLUON_BWD_PAYS_SPARSE.get(d, 0), (GLUON_BWD_PAYS_GQA if group > 1 else GLUON_BWD_PAYS).get(d, 0)) or None
     return (GLUON_BWD_PAYS_GQA if group > 1 else GLUON_BWD_PAYS).get(d)
 
 
-def long_enough(d: int, group: int, kv_len: int | None) -> bool:
+def long_enough(d: int, group: int, kv_len: int | None, sparse: bool = False) -> bool:
     """Whether kv_len keys reach the length from which the Gluon backward pays (what of the
     length the backward's tier depends on)."""
-    shortest = gluon_bwd_pays(d, group)
+    shortest = gluon_bwd_pays(d, group, sparse)
     return kv_len is not None and shortest is not None and kv_len >= shortest
 
 
-def _bwd_slower(d: int, group: int, kv_len: int | None) -> str | None:
-    min_len = gluon_bwd_pays(d, group)
+def _bwd_slower(d: int, group: int, kv_len: int | None, sparse: bool = False) -> str | None:
+    min_len = gluon_bwd_pays(d, group, sparse)
     if min_len is None:
         return f"head dim {d}"
     if kv_len is None or kv_len < min_len:
-        return (f"head dim {d}{', GQA' if group > 1 else ''}, {'an unknown number of' if kv_len is None else kv_len} "
-                f"keys (< {min_len})")
+        return (f"head dim {d}{', GQA' if group > 1 else ''}{', a mask reading tensors' if sparse else ''}, "
+                f"{'an unknown number of' if kv_len is None else kv_len} keys (< {min_len})")
     return None

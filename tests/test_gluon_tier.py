@@ -186,6 +186,13 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
         got, reason = tier(*args)
         assert got == "triton" and why in reason, (args, reason)
     assert tiers.choose_backward(causal, Spec("bfloat16", 128, 128, 1, "cuda-sm90"), (), True, None)[0] == "triton"
+    # a mask reading tensors (tile lists): from 4096 keys at head dim 128, 16384 at 64
+    document = _variant("document")
+    assert tier(document, 128, 1, 4096)[0] == "gluon" and tier(document, 64, 1, 16384)[0] == "gluon"
+    for args, why in [((document, 128, 1, 4095), "a mask reading tensors, 4095 keys (< 4096)"),
+                      ((document, 64, 1, 16383), "(< 16384)")]:
+        got, reason = tier(*args)
+        assert got == "triton" and why in reason, (args, reason)
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     assert tier(causal, 128, 4, 100) == ("gluon", "ATTNCC_TIER=gluon")
 

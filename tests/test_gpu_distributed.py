@@ -73,7 +73,7 @@ def test_ranks_one_after_another_equal_single_gpu(name, dtype, world, layout, me
 # tier fits: forced on (ATTNCC_TIER=gluon, so that the backward takes them at these short chunks
 # too) for the variants the tier runs
 GLUON_CASES = [(name, "bf16") for name in ("causal", "sliding_window", "prefix_lm", "alibi", "softcap", "gqa", "band",
-                                           "holes")]
+                                           "holes", "document")]
 GLUON_CASES += [(name, "fp16") for name in ("causal", "alibi")]
 
 
