@@ -185,8 +185,9 @@ def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
     if want == "auto" and d not in GLUON_PAYS:
         return "triton", f"head dim {d}: the Gluon forward measured slower than the Triton tier's (tiers.GLUON_PAYS)"
     if want == "auto" and d == 64 and not plan.wide_forward(variant.analysis.facts, plan.forward_mask_class(variant.analysis), d):
-        return "triton", ("head dim 64: the Gluon forward pays with three consumer warp groups, which need the identity "
-                          "score_mod and a mask that neither bands the keys nor reads tensors (plan.wide_forward)")
+        return "triton", ("head dim 64: the Gluon forward pays with three consumer warp groups, which need the "
+                          "identity score_mod and a mask that neither bands the keys nor reads tensors "
+                          "(plan.wide_forward)")
     return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {dtype}, head dim {d}: measured faster" + (
         " (three consumer warp groups)" if d == 64 else "")
 
@@ -253,9 +254,10 @@ def gluon_bwd_pays(d: int, group: int = 1, sparse: bool = False) -> int | None:
     """The shortest K/V length from which ``auto`` runs the Gluon backward at head dim d with
     ``group`` query heads per K/V head (``sparse``: a mask that reads captured tensors; None: at
     no length)."""
-    if sparse:
-        return max(GLUON_BWD_PAYS_SPARSE.get(d, 0), (GLUON_BWD_PAYS_GQA if group > 1 else GLUON_BWD_PAYS).get(d, 0)) or None
-    return (GLUON_BWD_PAYS_GQA if group > 1 else GLUON_BWD_PAYS).get(d)
+    shortest = (GLUON_BWD_PAYS_GQA if group > 1 else GLUON_BWD_PAYS).get(d)
+    if sparse and shortest is not None:
+        return max(shortest, GLUON_BWD_PAYS_SPARSE.get(d, 0))
+    return shortest
 
 
 def long_enough(d: int, group: int, kv_len: int | None, sparse: bool = False) -> bool:

@@ -246,7 +246,7 @@ def test_gluon_forward_tile_order_takes_every_tile_once(pack, tmp_path):
 # until its phase completes), the producer and consumers of several programs interleaved at random.
 class _Barrier:
     def __init__(self, count):
-        self.count, self.pending, self.completed = count, 0, 0
+        self.count, self.pending, self.completed, self.tx = count, 0, 0, 0
 
 
 def _wait(bar, parity):
@@ -257,7 +257,24 @@ def _wait(bar, parity):
 
 def _arrive(bar, count=1):
     bar.pending += count
-    if bar.pending == bar.count:
+    _complete(bar)
+
+
+def _expect(bar, nbytes):
+    """mbarrier.expect: an arrival (arrive.expect_tx) whose phase also waits for nbytes of copies."""
+    bar.tx += nbytes
+    _arrive(bar)
+
+
+def _land(bar, nbytes):
+    """A TMA copy of nbytes, landed: its barrier's transaction count falls."""
+    bar.tx -= nbytes
+    _complete(bar)
+
+
+def _complete(bar):
+    """A phase completes once every arrival is in and every expected byte landed."""
+    if bar.pending == bar.count and bar.tx == 0:
         bar.completed, bar.pending = bar.completed + 1, 0
 
 
@@ -852,14 +869,14 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offset
     counter, stored, copies = [0], [], []
 
     def tma_load(desc, coords, bar, slot):
-        copies.append((slot, (desc.name, tuple(int(c) for c in coords)), bar))  # lands later (tma_engine)
+        copies.append((slot, (desc.name, tuple(int(c) for c in coords)), bar, desc.block_type.nbytes))  # lands later
 
-    def tma_engine():  # lands the copies in flight, in any order; its barrier's phase completes then
+    def tma_engine():  # lands the copies in flight, in any order; its barrier's phase may complete then
         while True:
             if copies:
-                slot, tag, bar = copies.pop(rng.randrange(len(copies)))
+                slot, tag, bar, nbytes = copies.pop(rng.randrange(len(copies)))
                 slot.tag = tag
-                _arrive(bar)
+                _land(bar, nbytes)
             yield
 
     def mma(a, b, acc, use_acc=True, is_async=True):
@@ -899,7 +916,7 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offset
            "_softmax_step": softmax_step, "_round_pairs": lambda x: x, "_tma_load": tma_load,
            "_tma_store": tma_store, "_cta_barrier": lambda: None, "fence_async_shared": lambda: None,
            "tma": types.SimpleNamespace(store_wait=lambda pendings: None),
-           "mbarrier": types.SimpleNamespace(wait=_wait, arrive=_arrive, expect=lambda bar, n: None)}
+           "mbarrier": types.SimpleNamespace(wait=_wait, arrive=_arrive, expect=_expect)}
     gl = dict(constexpr=object, tensor=object, float32="f32", int32="i32", int64="i64",
               cdiv=_Gl.cdiv, maximum=_Gl.maximum, minimum=_Gl.minimum,
               where=lambda c, x, y: _Val() if isinstance(c, _Val) else (x if c else y),
@@ -922,15 +939,18 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offset
                 src = re.sub(r"(?<![\w.])(%s)\(" % "|".join(w for w in waiting if w != name), r"yield from \1(", src)
             sources[name] = compile(src, module.__file__, "exec")
 
+    kernel = module.attn_fwd.fn  # a Launcher (attncc.launcher) holding the Gluon kernel
+    kernel = inspect.getsource(getattr(kernel, "fn", kernel))  # the barriers' arrival counts, as the kernel sets them
+    counts = {name: n for name, n in re.findall(r"mbarrier\.init\((\w+)\.index\(\w+\), count=(\w+)\)", kernel)}
+    counts = {name: wgs if n == "WGS" else int(n) for name, n in counts.items()}
     tasks = []
     for pid in range(programs):
         penv = dict(env, gl=types.SimpleNamespace(**gl, program_id=lambda axis, pid=pid: C(pid)))
         for code in sources.values():
             exec(code, penv)
-        rings = {n: _Ring([_Barrier(c) for _ in range(k)]) for n, c, k in [
-            ("q_ready", 1, wgs), ("q_empty", 1, wgs), ("sched", 1, wgs), ("k_ready", 1, stages),
-            ("k_empty", wgs, stages), ("v_ready", 1, stages), ("v_empty", wgs, stages), ("tile_ready", 1, 2),
-            ("tile_empty", wgs, 2)]}
+        rings = {n: _Ring([_Barrier(counts[n]) for _ in range(k)]) for n, k in [
+            ("q_ready", wgs), ("q_empty", wgs), ("sched", wgs), ("k_ready", stages), ("k_empty", stages),
+            ("v_ready", stages), ("v_empty", stages), ("tile_ready", 2), ("tile_empty", 2)]}
         p = types.SimpleNamespace(
             q_desc=_Desc("q", bm), k_desc=_Desc("k", bn), v_desc=_Desc("v", bn), o_desc=_Desc("o", bm), lse_ptr=_Val(),
             q_smem=_SmemRing(f"p{pid}.q", wgs), o_smem=_SmemRing(f"p{pid}.o", wgs), k_smem=_SmemRing(f"p{pid}.k", stages),
