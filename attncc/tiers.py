@@ -113,11 +113,6 @@ def gluon_available() -> bool:
 LIBDEVICE_OPS = ("atan", "log1p", "expm1", "round")
 
 
-def _mask_reads_tensors(variant) -> bool:
-    from . import ir
-    return variant.mask_ir is not None and any(n.op == "load" for n in ir.walk(variant.mask_ir))
-
-
 def _libdevice_ops(variant) -> list:
     from . import ir
     roots = [r for r in (variant.score_ir, variant.mask_ir) if r is not None]
