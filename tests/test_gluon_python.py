@@ -511,6 +511,72 @@ def _sparse_masks(L):
             "block_table": lambda b, h, q, k: table[h, q // 64, k // 64]}
 
 
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_gluon_tile_lists_visit_every_kept_score(kind, tmp_path):
+    """Both kernels' schedules from tile lists, as rendered (_tile / _block, _program / _q_block), per
+    (batch, head) of a mask that differs by both, against brute force over the mask: every tile with a kept
+    score is visited once, none past the ends, and a tile runs without the mask code only where the
+    mask keeps every score of it."""
+    from types import SimpleNamespace
+    from attncc import blocks
+    table = torch.rand(2, 1000 // 64 + 1, 1000 // 64 + 1, generator=torch.Generator().manual_seed(6)) < 0.6
+
+    def mask_mod(b, h, q, k):  # blocks of 64 kept at random, per batch and head
+        return table[(b + h) % 2, q // 64, k // 64]
+    variant = attncc.Variant(None, mask_mod)
+    source = codegen.render(plan.build(kind, variant.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"),
+                                       variant.captures))
+    path = tmp_path / f"{kind}.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+    assert module.BLOCK_SPARSE and module.CLASS_PER_HEAD
+    fn = "attn_fwd" if kind == "fwd" else "attn_bwd"
+    outer, inner = module.TILES[fn]
+    C, B, H, F = _CInt, 2, 2, blocks.FINE
+    for Lq, Lkv in [(1000, 900), (300, 700)]:
+        q, k = torch.arange(Lq)[:, None], torch.arange(Lkv)[None, :]
+        keeps = [mask_mod(torch.tensor(bh // H), torch.tensor(bh % H), q, k).expand(Lq, Lkv) for bh in range(B * H)]
+        # the class table by brute force (block_classes' rule: 0 nothing kept, 2 every score kept and in bounds)
+        nq, nk = -(-Lq // F), -(-Lkv // F)
+        fine = torch.zeros(B * H, nq, nk, dtype=torch.int8)
+        for bh in range(B * H):
+            kept = torch.zeros(nq * F, nk * F, dtype=torch.int32)
+            kept[:Lq, :Lkv] = keeps[bh].int()
+            n = kept.view(nq, F, nk, F).sum(dim=(1, 3))
+            fine[bh] = torch.where(n == 0, 0, torch.where(n == F * F, 2, 1)).to(torch.int8)
+        lists = blocks.tile_lists(fine, outer, inner, fn in blocks.KEYS_OUTER)
+        p = SimpleNamespace(H=C(H), N_CTX_Q=C(Lq), N_CTX_KV=C(Lkv), CLS_OUTER=C(lists[4]), CLS_INNER=C(lists[5]),
+                            cls_partial_cnt=_Ptr(lists[0].reshape(-1)), cls_partial_idx=_Ptr(lists[1].reshape(-1)),
+                            cls_full_cnt=_Ptr(lists[2].reshape(-1)), cls_full_idx=_Ptr(lists[3].reshape(-1)))
+        n_outer = -(-(Lq if kind == "fwd" else Lkv) // outer)
+        if kind == "fwd":
+            vars(p).update(section=C(1), n_m=C(n_outer), n_tiles=C(n_outer * B * H), WGS=module.WGS, PACK=1,
+                           BLOCK_M=outer // module.WGS)
+            schedules = [_in_python(module._tile)(p, C(t)) for t in range(n_outer * B * H)]
+            block = _in_python(module._block)
+        else:
+            vars(p).update(PAIRS=C(B * H), HEADS=1, CHUNK=C(3), BLOCK_N=outer // 2)
+            schedules = []
+            for pid in range(n_outer * B * H):
+                _Gl.pid = pid
+                schedules.append(_in_python(module._program)(p))
+            block = _in_python(module._q_block)
+        seen = set()
+        for b, h, lo, partial, full, n_masked, n in schedules:
+            b, h, lo = int(b), int(h), int(lo)
+            seen.add((b, h, lo))
+            visits = [int(block(C(it), partial, full, n_masked)) for it in range(int(n))]
+            keep = (keeps[b * H + h] if kind == "fwd" else keeps[b * H + h].T)[lo:lo + outer]  # this program's rows
+            n_inner = -(-keep.shape[1] // inner)
+            assert len(set(visits)) == len(visits) and all(0 <= t < max(n_inner, 1) for t in visits), visits
+            for t in range(n_inner):
+                kept = keep[:, t * inner:(t + 1) * inner]
+                assert not kept.any() or t in visits, f"{kind} h={h} tile {lo}: never visits tile {t}"
+                if t in visits[int(n_masked):]:  # without the mask code: every score kept, none past an end
+                    assert kept.shape == (outer, inner) and bool(kept.all()), f"{kind} h={h} tile {lo}: {t} unmasked"
+        assert len(seen) == n_outer * B * H  # every (batch, head, tile) once
+
+
 @pytest.mark.parametrize("name,d", [("document_causal", 128), ("document_causal", 64), ("block_table", 128)])
 def test_gluon_forward_tile_lists_match_reference(name, d, tmp_path):
     """A data-dependent mask in the Gluon forward: each Q tile's key tiles from the tile lists the
