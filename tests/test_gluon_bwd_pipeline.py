@@ -22,7 +22,8 @@ import pytest
 import attncc
 from attncc import blocks, codegen, plan, runtime
 from attncc.spec import Spec
-from test_gluon_python import _Barrier, _CInt, _Gl, _Ptr, _arrive, _expect, _in_python, _land, _sparse_masks, _wait
+from test_gluon_python import (_Barrier, _CInt, _Gl, _Ptr, _Ring, _arrive, _expect, _in_python, _land, _sparse_masks,
+                               _wait)
 from test_gluon_tier import _variant
 
 runtime._triton(for_cpu=True)
@@ -99,14 +100,6 @@ class _Smem:
 
     def load(self, layout=None):
         return _V(self.facts())
-
-
-class _Ring:
-    def __init__(self, items):
-        self.items = items
-
-    def index(self, i):
-        return self.items[int(i)]
 
 
 
