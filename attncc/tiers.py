@@ -45,9 +45,10 @@ GLUON_PAYS_SCORED = {128: 2048}
 GLUON_PAYS_PACKED = {64: 2048}
 # ... and where the mask reads captured tensors (tile lists drive the key loops), head dim -> the
 # shortest length (H200, 2026-11-28, benchmarks/tier_ab.py, causal documents, Triton / Gluon ms):
-# 16x16x1024x128 0.134 / 0.194, 4x16x4096x128 0.232 / 0.250, 1x16x16384x128 0.597 / 0.524 (at head
-# dim 64 two warp groups: 4x32x4096 0.279 / 0.404, 1x32x16384 0.704 / 0.788)
-GLUON_PAYS_SPARSE = {128: 16384}
+# 16x16x1024x128 0.134 / 0.194, 8x16x2048x128 0.164 / 0.204, 4x16x4096x128 0.232 / 0.250,
+# 2x16x8192x128 0.395 / 0.364, 1x16x16384x128 0.597 / 0.524 (at head dim 64 two warp groups:
+# 4x32x4096 0.279 / 0.404, 1x32x16384 0.704 / 0.788)
+GLUON_PAYS_SPARSE = {128: 8192}
 
 # Where the Gluon backward measured faster than the Triton tier's (bf16, triton 3.6,
 # benchmarks/tier_ab.py --backward and gluon/gluon_bwd_probe.py, Triton ms / Gluon ms): head dim ->
@@ -69,8 +70,8 @@ GLUON_BWD_PAYS = {64: 1024, 128: 1024}
 GLUON_BWD_PAYS_GQA = {64: 2048, 128: 2048}
 # ... and where the mask reads captured tensors (tile lists drive the query loops): H200
 # (2026-11-28, tier_ab.py --backward, causal documents, Triton / Gluon ms) 16x16x1024x128 0.373 /
-# 0.440, 4x16x4096x128 0.654 / 0.635, 1x16x16384x128 1.631 / 1.356; 4x32x4096x64 0.722 / 0.784,
-# 1x32x16384x64 1.884 / 1.667
+# 0.440, 8x16x2048x128 0.468 / 0.492, 4x16x4096x128 0.654 / 0.635, 1x16x16384x128 1.631 / 1.356;
+# 4x32x4096x64 0.722 / 0.784, 2x32x8192x64 1.208 / 1.201, 1x32x16384x64 1.884 / 1.667
 GLUON_BWD_PAYS_SPARSE = {64: 16384, 128: 4096}
 
 
