@@ -230,7 +230,7 @@ def _tile(p: Pipeline, t):
     m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M // p.PACK)
     # the key tiles of a data-dependent mask, listed per Q tile by its block_classes kernel (attncc.blocks):
     # the partial ones run with the mask, the full ones without it, the empty ones not at all
-    row = 0 * p.CLS_OUTER + m0 // (p.WGS * p.BLOCK_M)
+    row = m0 // (p.WGS * p.BLOCK_M)  # the class table's row (one table for all heads)
     n_masked = gl.load(p.cls_partial_cnt + row)
     n_blocks = n_masked + gl.load(p.cls_full_cnt + row)
     partial = p.cls_partial_idx + row.to(gl.int64) * p.CLS_INNER
