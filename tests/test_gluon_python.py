@@ -634,8 +634,8 @@ def test_gluon_forward_tile_lists_match_reference(name, d, tmp_path):
                 k_tile, v_tile = torch.zeros(bn, d), torch.zeros(bn, d)  # TMA zero-fills past the end
                 k_tile[:max(0, min(bn, Lkv - kb * bn))] = k[h, kb * bn:(kb + 1) * bn]
                 v_tile[:max(0, min(bn, Lkv - kb * bn))] = v[h, kb * bn:(kb + 1) * bn]
-                probs, m_i, l_i, alpha = step(p, q_tile @ k_tile.T, m_i, l_i, torch.tensor(kb), b_t, h_t, q_idx, *hoisted,
-                                              *cap_args, it == 0 or it < n_masked)
+                probs, m_i, l_i, alpha = step(p, q_tile @ k_tile.T, m_i, l_i, torch.tensor(kb), b_t, h_t, q_idx,
+                                              *hoisted, *cap_args, it == 0 or it < n_masked)
                 o = o * alpha[:, None] + probs @ v_tile
             rows = min(bq, Lq - m0)
             out[h, m0:m0 + rows] = torch.where(l_i[:rows, None] == 0, 0.0, o[:rows] / l_i[:rows, None]).double()
@@ -732,7 +732,7 @@ def _bwd_step_in_torch(module):
 BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
                   ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False),
                   ("alibi-learn", 128, True), ("row_biases-learn", 64, False),  # capture gradients: per-step sums, atomics
-                  ("alibi-gqa", 64, False), ("causal-gqa", 128, True),  # GQA 2: query heads in one program (64) or one each
+                  ("alibi-gqa", 64, False), ("causal-gqa", 128, True),  # GQA 2: query heads in one program or one each
                   ("document_causal", 128, False), ("block_table", 64, False)]  # tile lists (data-dependent masks)
 
 
@@ -817,8 +817,9 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
             def tile(i, partial=partial, full=full, n_masked=n_masked):
                 return q_block(C(i), partial, full, n_masked)
         else:
+            at = [C(q_off), C(kv_off)] if offsets else []
             full_lo, full_hi, hi, n_hi, n_masked, n = q_range(C(0), C(h0), C(kv_off + kv_lo if offsets else kv_lo), bk,
-                                                              C(Lq), C(Lkv), bm, *([C(q_off), C(kv_off)] if offsets else []))
+                                                              C(Lq), C(Lkv), bm, *at)
             rot = q_rotation(C(kv_off - q_off + kv_lo) if offsets else C(kv_lo), full_lo, bm)
 
             def tile(i, args=(full_lo, full_hi, hi, n_hi, n_masked, rot)):

@@ -293,8 +293,8 @@ if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
     pack = module.PACK  # query heads packed into a tile's rows (GQA)
     args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m, pack), rows, *caps, *lists, torch.zeros(1, dtype=torch.int32), H, B * H // pack, Lq, Lkv,
-            4, 0.125, *offsets]  # sections of 4
+            module._descriptor(out, block_m, pack), rows, *caps, *lists, torch.zeros(1, dtype=torch.int32), H,
+            B * H // pack, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4
     dynamic = not module.PERSISTENT  # tiles of unequal work: the tile counter's code (static for the others)
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                             GROUP=group, WGS=module.WGS, PACK=pack, DYNAMIC=dynamic,
@@ -338,7 +338,8 @@ CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG, "
     ("fwd", "causal", 64, 4, "bfloat16")] + [
     ("bwd", name, 128, 1, "bfloat16") for name in ("full", "causal", "alibi", "softcap", "rel_bias", TRIG)] + [
     ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
-    ("bwd", "document", 128, 1, "bfloat16"), ("bwd", "document", 64, 2, "float16"),  # tile lists (block-sparse) ("bwd", "softcap", 64, 1, "bfloat16"),
+    ("bwd", "softcap", 64, 1, "bfloat16"),
+    ("bwd", "document", 128, 1, "bfloat16"), ("bwd", "document", 64, 2, "float16"),  # tile lists (block-sparse)
     ("bwd", "sliding_window", 128, 1, "bfloat16"), ("bwd", "prefix_lm", 128, 1, "bfloat16"),  # masks as row intervals
     ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
     ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16")] + [  # dcap atomics
