@@ -102,7 +102,6 @@ class _Smem:
         return _V(self.facts())
 
 
-
 class _Out:
     """DK or DV: pointer arithmetic keeps its name and program."""
 
