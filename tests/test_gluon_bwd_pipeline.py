@@ -8,9 +8,8 @@ it was computed from, so every product must combine one query tile's Q, dO, lse 
 program's K and V (a slot refilled too early, or read before it landed, mixes two tiles); the dQ
 product must read both warp groups' dS^T of its step; each dQ half must be added once, into its
 tile's block, and be intact until the add completes; each warp group's dK and dV must hold every
-step of its K/V tile once. Programs run one tile each, or several: drawn from the counter (a
-program per SM, DYNAMIC) or every num_programs-th, with K and V reloaded for each. The arithmetic is
-the step tests' (tests/test_gluon_python.py) and the GPU tests'."""
+step of its program once. The arithmetic is the step tests' (tests/test_gluon_python.py) and the
+GPU tests'."""
 from __future__ import annotations
 
 import inspect
@@ -23,8 +22,8 @@ import pytest
 import attncc
 from attncc import blocks, codegen, plan, runtime
 from attncc.spec import Spec
-from test_gluon_python import (_Barrier, _CInt, _Gl, _Ptr, _Ring, _Slot, _arrive, _expect, _in_python, _land,
-                               _sparse_masks, _wait)
+from test_gluon_python import (_Barrier, _CInt, _Gl, _Ptr, _Ring, _arrive, _expect, _in_python, _land, _sparse_masks,
+                               _wait)
 from test_gluon_tier import _variant
 
 runtime._triton(for_cpu=True)
@@ -33,7 +32,7 @@ C = _CInt
 
 class _V:
     """A tensor value: the tiles it was computed from (facts) and, for dK / dV accumulators, the
-    (query tile, K/V tile) of each product added into it, in order (steps)."""
+    query tiles added into it in order (steps)."""
 
     def __init__(self, facts=(), steps=()):
         self.facts, self.steps = frozenset(facts), tuple(steps)
@@ -104,10 +103,10 @@ class _Smem:
 
 
 class _Out:
-    """DK or DV: pointer arithmetic keeps its name."""
+    """DK or DV: pointer arithmetic keeps its name and program."""
 
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, pid):
+        self.name, self.pid = name, pid
 
     def __add__(self, other):
         return self
@@ -122,13 +121,12 @@ class _Desc:
         self.name, self.dtype, self.block_type = name, None, types.SimpleNamespace(nbytes=1)
 
 
-def _pipeline(module, p_fields, programs, dynamic, rng, H, Lq):
+def _pipeline(module, p_fields, programs, rng, H, Lq):
     """Run `programs` programs of the rendered backward (p_fields: the Pipeline's scalars and tile
-    lists; dynamic: they draw their tiles) at random interleavings. Returns the dQ reduce-adds
-    (coordinate, facts of what was added) and the dK / dV stores (name, steps added into them)."""
+    lists) at random interleavings. Returns the dQ reduce-adds (coordinate, facts of what was added)
+    and the dK / dV stores (name, program, query tiles added into them in order)."""
     bm, bn, _, stages = module.LAUNCH_TILES["attn_bwd"]
     copies, adds, pending, stores = [], [], [], []
-    counter = [0]
 
     def tma_load(desc, coords, bar, slot):
         b, h, row, _ = (int(c) for c in coords)
@@ -168,7 +166,7 @@ def _pipeline(module, p_fields, programs, dynamic, rng, H, Lq):
         assert len(rows) == 1, f"a product mixes query tiles {sorted(rows)} ({sorted(out.facts)})"
         assert len(out.tiles("k")) <= 1 and len(out.tiles("v")) <= 1, f"a product mixes K/V tiles {sorted(out.facts)}"
         if not isinstance(a, _Smem) and b.name.endswith((".q", ".do")):  # dV += P^T dO, dK += dS^T Q: a step of dK, dV
-            out = _V(acc.facts, acc.steps + tuple((r, kv) for r in rows for kv in out.tiles("k")))
+            out = _V(acc.facts, acc.steps + tuple(rows))
         return out, reads, [r.facts() for r in reads]
 
     def mma_wait(num_outstanding, deps):
@@ -187,13 +185,7 @@ def _pipeline(module, p_fields, programs, dynamic, rng, H, Lq):
         return C(int(ptr.flat[ptr.offset])) if isinstance(ptr, _Ptr) else _V()  # a tile list's entry; dK's sum
 
     def store(ptr, value, mask=None, sem=None):
-        stores.append((ptr.name, value.steps))
-
-    def atomic_add(ptr, value, mask=None, sem=None):
-        if ptr is counter:  # the tile counter: the count before
-            counter[0] += value
-            return C(counter[0] - value)
-        store(ptr, value)  # dK, dV added into float32 sums
+        stores.append((ptr.name, ptr.pid, value.steps))
 
     def ints_or(fn):
         return lambda *xs: _union(*xs) if any(isinstance(x, _V) for x in xs) else fn(*xs)
@@ -203,21 +195,19 @@ def _pipeline(module, p_fields, programs, dynamic, rng, H, Lq):
               where=lambda c, x, y: _union(c, x, y) if isinstance(c, _V) else (x if c else y),
               NVMMADistributedLayout=lambda **k: None, DotOperandLayout=lambda **k: None, SliceLayout=lambda *a: None,
               BlockedLayout=lambda *a: None, arange=lambda *a, **k: _V(), zeros=lambda *a, **k: _V(), zeros_like=_union,
-              full=lambda shape, v, *a, **k: [v] if isinstance(v, int) else _V(), max=lambda x, axis: x[0],
-              expand_dims=lambda x, d: x, convert_layout=lambda x, layout: x,
+              full=lambda *a, **k: _V(), expand_dims=lambda x, d: x, convert_layout=lambda x, layout: x,
               reshape=lambda x, s: x, permute=lambda x, d: x, exp2=_union, log2=_union, abs=_union,
-              sum=lambda x, axis: x, fma=_union, static_range=range, load=load, store=store, atomic_add=atomic_add,
+              sum=lambda x, axis: x, fma=_union, static_range=range, load=load, store=store, atomic_add=store,
               num_programs=lambda axis: programs)
     env = {"Pipeline": object, "_wait": _wait, "_store_wait": store_wait, "_rows_to_smem": rows_to_smem,
            "warpgroup_mma": mma, "warpgroup_mma_wait": mma_wait, "_tma_load": tma_load, "_tma_add": tma_add,
            "fence_async_shared": lambda: None, "_tanh": _union, "_sigmoid": _union,
            "mbarrier": types.SimpleNamespace(wait=_wait, arrive=_arrive, expect=_expect)}
-    waiting = ["consumer", "producer", "_step", "_dq_add", "_kv_load", "_take_tile", "_give_tile", "_rows_to_smem",
-               "warpgroup_mma_wait", "_store_wait"]
-    plain = ["_program", "_q_range", "_q_block", "_q_rotation", "_draw_tile", "_floor_div", "_floor_mod",
-             "_floor_div_or_0", "_floor_mod_or_a"]
+    waiting = ["consumer", "producer", "_step", "_dq_add", "_rows_to_smem", "warpgroup_mma_wait", "_store_wait"]
+    plain = ["_program", "_q_range", "_q_block", "_q_rotation", "_floor_div", "_floor_mod", "_floor_div_or_0",
+             "_floor_mod_or_a"]
     sources = []
-    for name in plain + waiting[:7]:
+    for name in plain + waiting[:4]:
         if hasattr(module, name):
             src = inspect.getsource(getattr(module, name).fn)
             src = src[src.index("def "):].replace("mbarrier.wait(", "yield from _wait(").replace("tma.store_wait(",
@@ -228,16 +218,15 @@ def _pipeline(module, p_fields, programs, dynamic, rng, H, Lq):
     kernel = module.attn_bwd.fn  # a Launcher (attncc.launcher) holding the Gluon kernel
     kernel = inspect.getsource(getattr(kernel, "fn", kernel))  # the barriers' arrival counts, as the kernel sets them
     counts = {name: int(n) for name, n in re.findall(r"mbarrier\.init\((\w+)\.index\(\w+\), count=(\d+)\)", kernel)}
-    assert set(counts) == {"kv_ready", "kv_free", "q_ready", "do_ready", "ds_ready", "dq_bars", "tile_ready",
-                           "tile_empty"}, counts
+    assert set(counts) == {"kv_ready", "q_ready", "do_ready", "ds_ready", "dq_bars"}, counts
     tasks = []
     for pid in range(programs):
         penv = dict(env, gl=types.SimpleNamespace(**gl, program_id=lambda axis, pid=pid: C(pid)))
         for code in sources:
             exec(code, penv)
         rings = {n: _Ring([_Barrier(counts[n]) for _ in range(k)])
-                 for n, k in [("kv_ready", 1), ("kv_free", 1), ("q_ready", stages), ("do_ready", stages),
-                              ("ds_ready", 2), ("dq_bars", 4), ("tile_ready", 2), ("tile_empty", 2)]}
+                 for n, k in [("kv_ready", 1), ("q_ready", stages), ("do_ready", stages), ("ds_ready", 2),
+                              ("dq_bars", 4)]}
         p = types.SimpleNamespace(
             q_desc=_Desc("q"), do_desc=_Desc("do"), k_desc=_Desc("k"), v_desc=_Desc("v"), dq_desc=_Desc("dq"),
             lse_ptr="lse", delta_ptr="delta", k_smem=_Smem(f"p{pid}.k", 2 * bn), v_smem=_Smem(f"p{pid}.v", 2 * bn),
@@ -247,12 +236,11 @@ def _pipeline(module, p_fields, programs, dynamic, rng, H, Lq):
             delta_smem=_Ring([_Smem(f"p{pid}.slot{i}.delta", bm) for i in range(stages)]),
             ds_smem=_Ring([_Smem(f"p{pid}.ds{i}", 2 * bn) for i in range(2)]),
             dq_smem=_Ring([_Smem(f"p{pid}.dq{i}", bm) for i in range(2)]),
-            tile_ctr=counter, tile_smem=_Ring([_Slot(), _Slot()]), DYNAMIC=dynamic,
             BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, **p_fields, **rings)
         extra = [True] if hasattr(p, "Q_OFF") else []  # ADD_DKV: the path that adds to earlier pairs' sums
         params = list(inspect.signature(module.consumer.fn).parameters)
         extra += [_V() if n.endswith("_ptr") else C(1) for n in params[12 + len(extra):]]  # captured tensors
-        tasks += [penv["producer"](p)] + [penv["consumer"](p, wg, _Out("dk"), _Out("dv"), *[C(1)] * 8, *extra)
+        tasks += [penv["producer"](p)] + [penv["consumer"](p, wg, _Out("dk", pid), _Out("dv", pid), *[C(1)] * 8, *extra)
                                           for wg in range(2)]
     engine = tma_engine()
     for _ in range(5_000_000):  # resume a random unfinished warp (or the copy engine) until all are done
@@ -276,11 +264,10 @@ CASES = [("causal", 128, 1, None), ("full", 64, 1, None), ("prefix_lm", 128, 2, 
                                                              for n, d, g, o in CASES])
 def test_gluon_backward_pipeline(name, d, group, offsets, tmp_path):
     """The backward's producer and consumers as rendered, at random interleavings of all programs of
-    small calls (tiles drawn by 3 programs, every second tile by each of 2, a program per tile): no
-    deadlock; every product combines one query tile's Q, dO, lse and Delta with its K/V tile's K and
-    V, and its shared-memory operands hold them until it completes; every step's dQ halves (both warp
-    groups' dS^T of that step) are added once into their tile's blocks; each warp group's dK and dV
-    of a K/V tile hold every query tile of its schedule once, in order."""
+    small calls: no deadlock; every product combines one query tile's Q, dO, lse and Delta with the
+    program's K and V, and its shared-memory operands hold them until it completes; every step's dQ
+    halves (both warp groups' dS^T of that step) are added once into their tile's blocks; each warp
+    group's dK and dV hold every query tile of its program once, in the schedule's order."""
     sparse = _sparse_masks(1000)
     variant = attncc.Variant(None, sparse[name]) if name in sparse else _variant(name, H=2 * group)
     spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon", offsets=offsets is not None)
@@ -290,8 +277,7 @@ def test_gluon_backward_pipeline(name, d, group, offsets, tmp_path):
     module = runtime.load(path, True, source)
     bm, bn = module.LAUNCH_TILES["attn_bwd"][:2]
     calls = [(1, 2 * group, 300, 500), (2, 2 * group, 200, 130), (1, 2 * group, 1, 1)]  # B, H, Lq, Lkv
-    modes = [(3, True), (2, False), (None, False)]  # programs (None: one per tile), drawn
-    for seed, ((B, H, Lq, Lkv), (programs, dynamic)) in enumerate(zip(calls, modes)):
+    for seed, (B, H, Lq, Lkv) in enumerate(calls):
         heads = 1 if Lkv >= module.SPLIT_HEADS_FROM else group  # query heads per program, as the launcher
         pairs, n_kv, n_q = B * H // heads, -(-Lkv // (2 * bn)), -(-Lq // bm)
         fields = dict(H=C(H), PAIRS=C(pairs), N_CTX_Q=C(Lq), N_CTX_KV=C(Lkv), sm_scale=0.1, lse_to_acc=-0.5, CHUNK=C(2),
@@ -306,15 +292,15 @@ def test_gluon_backward_pipeline(name, d, group, offsets, tmp_path):
             fields.update(cls_partial_cnt=_Ptr(lists[0].reshape(-1)), cls_partial_idx=_Ptr(lists[1].reshape(-1)),
                           cls_full_cnt=_Ptr(lists[2].reshape(-1)), cls_full_idx=_Ptr(lists[3].reshape(-1)),
                           CLS_OUTER=C(lists[4]), CLS_INNER=C(lists[5]))
-        fields.update(n_tiles=C(n_kv * pairs))
-        adds, stores = _pipeline(module, fields, programs or n_kv * pairs, dynamic, random.Random(seed), H, Lq)
+        adds, stores = _pipeline(module, fields, n_kv * pairs, random.Random(seed), H, Lq)
 
-        # what the schedule asks for: per K/V tile, its steps' (query tile row key, K/V tile) in order
+        # what the schedule asks for: per program, its steps' query tiles (row keys) in order
         p = types.SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, **fields)
         program = _in_python(module._program)
-        want_adds, want_steps = [], []
-        for t in range(n_kv * pairs):
-            b, h0, kv_lo, *sched, n_masked, n = program(p, C(t))
+        want_adds, want_steps = [], {}
+        for pid in range(n_kv * pairs):
+            _Gl.pid = pid
+            b, h0, kv_lo, *sched, n_masked, n = program(p)
             if module.BLOCK_SPARSE:
                 order = [int(_in_python(module._q_block)(C(i), *sched, n_masked)) for i in range(int(n))]
             else:
@@ -324,9 +310,9 @@ def test_gluon_backward_pipeline(name, d, group, offsets, tmp_path):
             steps = []
             for j in range(int(n) * heads):
                 h, tile = int(h0) + j % heads, order[j // heads]
-                steps.append(((int(b) * H + h) * Lq + tile * bm, (int(b), int(h0) // group, int(kv_lo))))
+                steps.append((int(b) * H + h) * Lq + tile * bm)
                 want_adds += [((int(b) * H + h) * n_q + tile) * 2 + wg for wg in (0, 1)]
-            want_steps.append(tuple(steps))
+            want_steps[pid] = tuple(steps)
         got_adds = []
         for coord, facts in adds:
             block = coord // (bm * d // 128 // 4)  # the rows of 256 floats a warp group's half takes
@@ -335,6 +321,7 @@ def test_gluon_backward_pipeline(name, d, group, offsets, tmp_path):
             assert rows == {bh * Lq + tile * bm}, f"dQ of query tile {sorted(rows)} added into block {block}"
             got_adds.append(block)
         assert sorted(got_adds) == sorted(want_adds), "dQ halves added more or less than once"
-        for out in ("dk", "dv"):  # each warp group's, per K/V tile: every step once, in order
-            got = sorted(s for o, s in stores if o == out)
-            assert got == sorted(want_steps * 2), (out, got, want_steps)
+        for pid, steps in want_steps.items():
+            for out in ("dk", "dv"):
+                got = [s for o, q, s in stores if (o, q) == (out, pid)]
+                assert got == [steps, steps], (out, pid, got, steps)  # each warp group: every step once, in order

@@ -556,7 +556,10 @@ def test_gluon_tile_lists_visit_every_kept_score(kind, tmp_path):
             block = _in_python(module._block)
         else:
             vars(p).update(PAIRS=C(B * H), HEADS=1, CHUNK=C(3), BLOCK_N=outer // 2)
-            schedules = [_in_python(module._program)(p, C(t)) for t in range(n_outer * B * H)]
+            schedules = []
+            for pid in range(n_outer * B * H):
+                _Gl.pid = pid
+                schedules.append(_in_python(module._program)(p))
             block = _in_python(module._q_block)
         seen = set()
         for b, h, lo, partial, full, n_masked, n in schedules:
@@ -807,7 +810,8 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
         p.k_smem.t.zero_()[:rows] = k[kv_lo:kv_lo + rows].float()
         p.v_smem.t.zero_()[:rows] = v[kv_lo:kv_lo + rows].float()
         if module.BLOCK_SPARSE:
-            _, _, lo, partial, full, n_masked, n = program(p, C(kv_lo // bk))
+            _Gl.pid = kv_lo // bk
+            _, _, lo, partial, full, n_masked, n = program(p)
             assert int(lo) == kv_lo
 
             def tile(i, partial=partial, full=full, n_masked=n_masked):

@@ -307,10 +307,10 @@ else:
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, dkv, dkv, *dkv.stride(), *dkv.stride(), *caps,
-            torch.zeros(1, dtype=torch.int32), H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets, *lists]
+            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets, *lists]
     adds = dict(ADD_DKV=True) if offsets else {}  # chunk kernels: the path that adds to earlier pairs' sums
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                                                             GROUP=group, HEADS=heads, DYNAMIC=True,  # tiles drawn
+                                                             GROUP=group, HEADS=heads,
                                                              FOLD_LSE=kind != "bwd-nofold", num_warps=4, maxnreg=168,
                                                              **adds))
     compile_for_sm90(module.attn_bwd_preprocess, [out, out, rows, rows, rows, rows, torch.zeros(B, H, Lq, d),

@@ -143,7 +143,7 @@ BWD_SHAPES = {"2x3x17": (2, 3, 3, 17, 17, 128), "gqa8:2-1000": (2, 8, 2, 1000, 1
               "D64-2x3x17": (2, 3, 3, 17, 17, 64), "D64-Lq300-Lkv1500": (1, 4, 4, 300, 1500, 64),
               "D64-Lq1500-Lkv300": (1, 4, 4, 1500, 300, 64), "D64-Lq1-Lkv777": (2, 2, 2, 1, 777, 64),
               "D64-whole-tiles-2x4x1024": (2, 4, 4, 1024, 1024, 64),
-              # more K/V tiles than SMs: a program per SM draws them (DYNAMIC_KV), K and V reloaded per tile
+              # more K/V tiles than SMs (programs in several waves), odd lengths
               "many-tiles-3x8x1999": (3, 8, 8, 1999, 1999, 128), "D64-many-tiles-3x8x1999": (3, 8, 8, 1999, 1999, 64),
               "gqa8:2-many-tiles-Lq1500-Lkv2100": (2, 8, 2, 1500, 2100, 128)}  # dK, dV added into float32 sums
 BWD_FP16 = ("2x3x17", "gqa8:2-1000", "D64-gqa4:1-Lq1000", "D64-Lq1500-Lkv300")

@@ -1,12 +1,9 @@
 """Text patches of the rendered Gluon backward (templates/sm90/attn_bwd.py.jinja) that
 gluon_bwd_probe.py times: each switches a part of the schedule off or tries another one. Kept
 apart from the probe so that tests/test_gluon_tier.py can check every patch still applies (each
-old text occurs exactly once in the rendered full and causal kernels). Patches measured and not
-taken whose text the template no longer has were dropped (2026-11-28, the K/V tile loop): named-dq,
-dq-next, s-ahead, dq-alt, one-ready, rows-ahead, delta-ahead, ds-split, sync-expect; NOTES.md keeps
-their figures, git history their text."""
+old text occurs exactly once in the rendered full and causal kernels)."""
 
-_CHUNK = "    chunk = max(1, sms // n_kv)  # pairs of a chunk: about one wave of tiles (see _program)\n"
+_CHUNK = "    chunk = max(1, _sm_count(q.device) // n_kv)  # pairs of a chunk: about one wave of programs (see _program)\n"
 
 # name -> [(old text, new text)] applied to the rendered source (the probe joins names with +)
 PATCHES = {
@@ -56,9 +53,11 @@ PATCHES = {
     # GQA: the query heads of a K/V head in one program (dK, dV summed in registers), or one per program
     "heads-together": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 1 << 40  # ")],
     "heads-split": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 0  # ")],
-    # a program per K/V tile, or a program per SM drawing its tiles (the launcher's DYNAMIC_KV)
-    "per-tile": [("DYNAMIC_KV = ", "DYNAMIC_KV = 0  # ")],
-    "drawn": [("DYNAMIC_KV = ", "DYNAMIC_KV = 1 << 40  # ")],
+    # dK and dV computed but not stored (their stores predicated off; timing only): what the epilogue's writes cost
+    "no-dkv-store": [("        gl.store(dk_ptrs, (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok)\n"
+                      "        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok)\n",
+                      "        gl.store(dk_ptrs, (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok & (p.N_CTX_KV < 0))\n"
+                      "        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok & (p.N_CTX_KV < 0))\n")],
 }
 
 _DV_ISSUE = "    dv_tok = warpgroup_mma(pT_op, do_smem, dv, is_async=True)\n"
@@ -97,6 +96,41 @@ PATCHES["dq-scale-late"] = [
      "    attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, sm_scale, BLOCK_M="),
 ]
 
+
+def _bar(op, ids, arg, indent, cond=None):
+    """Inline asm of bar.sync / bar.arrive on a named barrier of 160 threads (a consumer warp group
+    and the producer warp), its id ids[0] or, under `if cond == 0` / else, ids[1]."""
+    asm = lambda i: f'{indent}gl.inline_asm_elementwise("bar.{op} {i}, 160;\\n\\tmov.u32 $0, 0;", "=r,r", [{arg}], dtype=gl.int32, is_pure=False, pack=1)\n'  # noqa: E731,E501
+    if cond is None:
+        return asm(ids[0])
+    return f"{indent}if {cond} == 0:\n    {asm(ids[0])}{indent}else:\n    {asm(ids[1])}"
+
+
+# FA3/FA4's dQ handover: hardware named barriers between a consumer warp group and the producer warp
+# (bar.arrive by the 128 consumer threads after their stores and fence, bar.sync by the producer;
+# the other way once the add has read the buffer) instead of the dq_bars mbarriers, whose Gluon
+# arrive is a warp-group BAR.SYNC, an elected arrive and another BAR.SYNC (four per step in the SASS)
+PATCHES["named-dq"] = [
+    ("""    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer
+    p.dq_smem.index(WG).store(dq)
+    fence_async_shared()
+    mbarrier.arrive(p.dq_bars.index(WG), count=1)
+""", _bar("sync", (10, 11), "j", "    ", "WG") + """    p.dq_smem.index(WG).store(dq)
+    fence_async_shared()
+""" + _bar("arrive", (8, 9), "j", "    ", "WG")),
+    ("""        mbarrier.wait(p.dq_bars.index(wg), i & 1)
+""", _bar("sync", (8, 9), "i", "        ", "wg")),
+    ("""    tma.store_wait(pendings=0)
+    for wg in gl.static_range(2):
+        mbarrier.arrive(p.dq_bars.index(2 + wg), count=1)
+""", """    tma.store_wait(pendings=0)
+""" + _bar("arrive", (10,), "i", "    ") + _bar("arrive", (11,), "i", "    ")),
+    ("""    q_box: gl.constexpr = [1, 1, BLOCK_M, p.HEAD_DIM]
+    for j in range(n_blocks * HEADS):
+""", """    q_box: gl.constexpr = [1, 1, BLOCK_M, p.HEAD_DIM]
+""" + _bar("arrive", (10,), "b", "    ") + _bar("arrive", (11,), "b", "    ") + """    for j in range(n_blocks * HEADS):
+"""),
+]
 
 # Each warp group computes its dQ part over its own keys only (dS_w K_w: all of the head dim), so
 # the warp groups never meet over dS^T and drift apart as the forward's ping-pong does; both add
@@ -169,6 +203,255 @@ PATCHES["own-dq-late-64"] = [("""    # dQ needs both warp groups' dS^T: this one
 """)] + [edit for edit in _OWN_COMMON if "HEAD_DIM // 8" not in edit[0] and "[DQ_N // 4, 256])" not in edit[0]
          and "instr_shape" not in edit[0]]
 
+# dQ one step late (head dim 128): step j issues step j - 1's dQ product before its own S^T, and
+# hands it to the producer while S^T runs; the step then ends waiting only for its dV and dK, so
+# the warp-group meeting over dS^T (now at the next step's start) and dQ's store leave the window
+# where the tensor cores idle between one step's last product and the next step's first. At j == 0
+# the product runs on the unused dS^T buffer and is dropped; the consumer issues the last step's
+# after its loops.
+_DQ_NEXT_FNS = '''@gluon.jit
+def _dq_issue(p: Pipeline, WG: gl.constexpr, j, dq_layout: gl.constexpr):
+    """Issue step j - 1's dQ product (nothing waited for at j == 0: its result is dropped)."""
+    DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128
+    mbarrier.wait(p.ds_ready.index((j + 1) % 2), ((j + 1) // 2 + 1) & 1, pred=j > 0)
+    return warpgroup_mma(p.ds_smem.index((j + 1) % 2).permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),
+                         gl.zeros([p.BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dq_hand(p: Pipeline, WG: gl.constexpr, j, dq):
+    """Step j - 1's dQ half to shared memory for the producer's add (not handed over at j == 0)."""
+    DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128
+    dq = gl.reshape(dq * p.sm_scale, [4, 2, 8, DQ_N // 8, 4, 2])  # (warp, i, t // 4, k, t % 4, j)
+    dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [DQ_N // 4, 256])
+    mbarrier.wait(p.dq_bars.index(2 + WG), j & 1, pred=j > 0)  # step j - 2's add has read the buffer
+    p.dq_smem.index(WG).store(dq)
+    fence_async_shared()
+    mbarrier.arrive(p.dq_bars.index(WG), count=1, pred=j > 0)
+
+
+@gluon.jit
+def _step('''
+_DQ_TAIL = """    # dQ's half goes to shared memory, from which the producer warp adds it into dq_acc by a TMA
+    # reduce-add (register atomics cost H100, full 4x16x4096x128: 2.85 -> 3.95 ms, and 4.12 issued
+    # by a warp of their own). In the accumulator's own order: thread t holds rows
+    # 16 warp + 8 i + t // 4 and columns 8 k + 2 (t % 4) + j, and those go to floats
+    # (128 k + t) * 4 + 2 i + j, so nothing moves between threads and every store is 128 bits
+    dq = gl.reshape(dq * p.sm_scale, [4, 2, 8, DQ_N // 8, 4, 2])  # (warp, i, t // 4, k, t % 4, j)
+    dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [DQ_N // 4, 256])
+    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer
+    p.dq_smem.index(WG).store(dq)
+    fence_async_shared()
+    mbarrier.arrive(p.dq_bars.index(WG), count=1)
+    return dk, dv
+"""
+PATCHES["dq-next"] = [
+    ("@gluon.jit\ndef _step(", _DQ_NEXT_FNS),
+    ("""    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    s_tok = warpgroup_mma(k_rows, q_smem.permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+""", """    dq_tok = _dq_issue(p, WG, j, dq_layout)
+    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    s_tok = warpgroup_mma(k_rows, q_smem.permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ))
+    _dq_hand(p, WG, j, dq)
+"""),
+    (_OWN_MEET + _DQ_TAIL, """    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)  # step j + 1 issues this step's dQ
+    dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+    return dk, dv
+"""),
+    ("""                       s_layout, op_layout, dq_layout, False)
+
+""", """                       s_layout, op_layout, dq_layout, False)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(p, WG, n_blocks * HEADS, dq_layout), ))
+    _dq_hand(p, WG, n_blocks * HEADS, dq)
+
+"""),
+]
+# head dim 64 (query tiles of 128, dQ split by rows): the same one step late
+PATCHES["dq-next-64"] = [
+    (PATCHES["dq-next"][0][0], PATCHES["dq-next"][0][1].replace(
+        """    return warpgroup_mma(p.ds_smem.index((j + 1) % 2).permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),
+                         gl.zeros([p.BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)""",
+        """    return warpgroup_mma(p.ds_smem.index((j + 1) % 2).slice(WG * 64, 64, dim=1).permute((1, 0)), p.k_smem,
+                         gl.zeros([64, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)""")),
+    PATCHES["dq-next"][1],
+    (PATCHES["dq-next"][2][0].replace(
+        """    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+                           gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)""",
+        """    dq_tok = warpgroup_mma(ds_smem.slice(WG * 64, 64, dim=1).permute((1, 0)), p.k_smem,  # query rows 64 WG + [0, 64)
+                           gl.zeros([64, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)"""),
+     PATCHES["dq-next"][2][1]),
+    PATCHES["dq-next"][3],
+]
+
+
+def _calls(new_head):
+    """Edits of the consumer's two _step calls (the masked loop's and the whole tiles'), each once:
+    `dk, dv = _step(p, WG, j, m0,` becomes new_head."""
+    return [(f"""        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, {masked})""",
+             f"""{new_head} b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, {masked})""") for masked in ("True", "False")]
+
+
+# Step j + 1's S^T issued as soon as step j's products are in, before step j's dQ goes to shared
+# memory and is handed over: both warp groups, which the dS^T meeting keeps in step, otherwise leave
+# the tensor cores idle from that wait to the next step's first product (dQ's scale, its stores,
+# the fence and arrive, the next slot's waits and S^T's start from -lse2). Past the last step it
+# issues one S^T on a stale slot without waiting for it (drained after the loops).
+_S_ISSUE = """    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    s_tok = warpgroup_mma(k_rows, q_smem.permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+"""
+_S_AHEAD_FN = '''@gluon.jit
+def _issue_s(p: Pipeline, j, n, k_rows, s_layout: gl.constexpr):
+    """S^T of step j (of n), issued at the end of step j - 1."""
+    slot = j % p.STAGES
+    mbarrier.wait(p.q_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+    s_acc = gl.zeros([p.BLOCK_N, p.BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+    return warpgroup_mma(k_rows, p.q_smem.index(slot).permute((1, 0)), s_acc, use_acc=p.FOLD_LSE, is_async=True)
+
+
+@gluon.jit
+def _step('''
+PATCHES["s-ahead"] = [
+    ("@gluon.jit\ndef _step(", _S_AHEAD_FN),
+    ("def _step(p: Pipeline, WG: gl.constexpr, j, m0,", "def _step(p: Pipeline, WG: gl.constexpr, j, n, s_tok, m0,"),
+    (_S_ISSUE, ""),
+    (_WAIT_ALL, _WAIT_ALL + "    s_next = _issue_s(p, j + 1, n, k_rows, s_layout)\n"),
+    (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, s_next")),
+    ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
+     "    mbarrier.wait(p.kv_ready.index(0), 0)\n    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n"),
+    *_calls("        dk, dv, s_tok = _step(p, WG, j, n_blocks * HEADS, s_tok, m0,"),
+    ("\n    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n",
+     "\n    warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))  # the one issued past the last step\n"
+     "    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n"),
+]
+# ptxas serialises every wgmma of `s-ahead` (a product in flight across the loops' back edges); here
+# step j waits for step j + 1's S^T after handing over its dQ, and step j + 1 starts from it
+_S_WAITED = "    s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))\n"
+PATCHES["s-ahead-wait"] = [
+    (old, new.replace("    return dk, dv, s_next\n", _S_WAITED + "    return dk, dv, s_next\n").replace(
+        "    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n",
+        "    s_tok = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout), ))\n"))
+    for old, new in PATCHES["s-ahead"] if "the one issued past" not in new] + [
+    ("        qkT, q_idx = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_idx))\n", "        qkT = s_tok\n"),
+    ("        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))\n", "        qkT = s_tok\n"),
+]
+
+# Each step's whole dQ (64 queries x the head dim, N = 128) by one warp group, warp group j % 2:
+# it alone waits for both dS^T; the other goes on to the next step, where it is the one that waits,
+# so the two drift half a step apart (one's softmax under the other's dQ product) and the dQ
+# product reads 48 KB of shared memory instead of twice 32. Each warp group's dQ buffer holds a
+# whole tile (both halves of dq_acc's block pair, adjacent); shared memory 198 -> 230 KB.
+# Head dim 128 (dQ split by columns) only.
+PATCHES["dq-alt"] = [
+    (_OWN_MEET, """    fence_async_shared()
+    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    if j % 2 != WG:  # the other warp group's turn for this step's dQ
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        return dk, dv
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem, gl.zeros([BLOCK_M, p.HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+"""),
+    ("    DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128  # columns of this warp group's dQ (64 rows)\n",
+     "    DQ_N: gl.constexpr = p.HEAD_DIM  # the whole dQ tile, every other step\n"),
+    ("    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer\n",
+     "    mbarrier.wait(p.dq_bars.index(2 + WG), ((j // 2) & 1) ^ 1)  # its previous add has read the buffer\n"),
+    ("    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M * HEAD_DIM // 128, 16])",
+     "    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])"),
+    ("""    for wg in gl.static_range(2):
+        mbarrier.wait(p.dq_bars.index(wg), i & 1)
+        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))
+    tma.store_wait(pendings=0)
+    for wg in gl.static_range(2):
+        mbarrier.arrive(p.dq_bars.index(2 + wg), count=1)
+""", """    mbarrier.wait(p.dq_bars.index(i % 2), (i // 2) & 1)
+    for half in gl.static_range(2):
+        _tma_add(p.dq_desc, [(block + half) * (DQ_N // 4), 0], p.dq_smem.index(i % 2).slice(half * (DQ_N // 4), DQ_N // 4))
+    tma.store_wait(pendings=0)
+    mbarrier.arrive(p.dq_bars.index(2 + i % 2), count=1)
+"""),
+    ("gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 512, 256], dq_layout)",
+     "gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 256, 256], dq_layout)"),
+]
+# ptxas serialises every wgmma of `dq-alt` (the products issued before the branch on j % 2 are
+# waited for inside it); `dq-alt2` makes the turn a constexpr: two steps a loop turn, with a step
+# before the loop for an odd start and one after it for an odd count
+_DQ_ALT_LOOPS = '''@gluon.jit
+def _run(p: Pipeline, WG: gl.constexpr, j, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows,
+         v_rows, s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr, MASKED: gl.constexpr,
+         DQ: gl.constexpr):
+    m0 = _q_block(j // p.HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * p.BLOCK_M
+    return _step(p, WG, j, m0, b, h0 + j % p.HEADS, dk, dv, kv_idx, k_rows, v_rows, s_layout, op_layout, dq_layout,
+                 MASKED, DQ)
+
+
+@gluon.jit
+def _steps(p: Pipeline, WG: gl.constexpr, lo, end, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx,
+           k_rows, v_rows, s_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
+           MASKED: gl.constexpr):
+    """Steps [lo, end); step j's dQ is warp group j % 2's."""
+    lo = end * 0 + lo  # a run-time value (the first call's lo is the constant 0)
+    if (lo % 2 == 1) & (lo < end):
+        dk, dv = _run(p, WG, lo, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 1)
+        lo += 1
+    for j in range(lo, end - 1, 2):
+        dk, dv = _run(p, WG, j, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 0)
+        dk, dv = _run(p, WG, j + 1, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 1)
+    if (end - lo) % 2 == 1:
+        dk, dv = _run(p, WG, end - 1, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx, k_rows, v_rows,
+                      s_layout, op_layout, dq_layout, MASKED, WG == 0)
+    return dk, dv
+
+
+@gluon.jit
+def consumer('''
+PATCHES["dq-alt2"] = [
+    (old, new.replace("""    if j % 2 != WG:  # the other warp group's turn for this step's dQ
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        return dk, dv
+    mbarrier.wait""", """    if not DQ:  # the other warp group's turn for this step's dQ
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        return dk, dv
+    mbarrier.wait""")) for old, new in PATCHES["dq-alt"]] + [
+    ("dq_layout: gl.constexpr, MASKED: gl.constexpr):\n", "dq_layout: gl.constexpr, MASKED: gl.constexpr, DQ: gl.constexpr):\n"),
+    ("@gluon.jit\ndef consumer(", _DQ_ALT_LOOPS),
+    ("""    for j in range(0, n_masked * HEADS):  # query tiles the mask cuts (and a ragged last one), with the mask
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, True)
+    for j in range(n_masked * HEADS, n_blocks * HEADS):  # query tiles the K/V tile keeps in full: no mask code
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, False)
+""", """    dk, dv = _steps(p, WG, 0, n_masked * HEADS, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv, kv_idx,
+                    k_rows, v_rows, s_layout, op_layout, dq_layout, True)
+    dk, dv = _steps(p, WG, n_masked * HEADS, n_blocks * HEADS, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot, dk, dv,
+                    kv_idx, k_rows, v_rows, s_layout, op_layout, dq_layout, False)
+"""),
+]
+
 # FA4's P^T: S^T from zero and exp2(S^T * scale - lse2) (an FFMA each) instead of S^T started from
 # -lse2 / scale and scaled after (16 FFMA, 16 MOV and 32 FMUL a step). ncu, causal 4x16x4096x128
 # (H100): attncc executes 70.8 M FP32 instructions (8.7 M fused) where FA4 executes 53.0 M (17.3 M
@@ -184,6 +467,19 @@ PATCHES["no-fold-early"] = PATCHES["no-fold"] + [
         pT = gl.exp2(sT - gl.expand_dims(lse2_early, 0))"""),
 ]
 
+# One `ready` barrier a slot for Q, dO and their row statistics (three arrivals: the TMA's expect
+# of both tiles, lse's and Delta's stores) instead of two: a wait fewer a step, and with it a
+# warp-group bar.sync fewer (Gluon 3.6 puts one before every mbarrier wait and arrive:
+# benchmarks/gluon/arrive_sync.py); dP^T issues right behind S^T.
+PATCHES["one-ready"] = [
+    ("        mbarrier.init(q_ready.index(i), count=2)  # the TMA's expect and the row statistics' arrive\n",
+     "        mbarrier.init(q_ready.index(i), count=3)  # the TMA's expect and both row statistics' arrives\n"),
+    ("        mbarrier.expect(bar, p.q_desc.block_type.nbytes)\n",
+     "        mbarrier.expect(bar, p.q_desc.block_type.nbytes + p.do_desc.block_type.nbytes)\n"),
+    ("        bar = p.do_ready.index(slot)\n        mbarrier.expect(bar, p.do_desc.block_type.nbytes)\n", ""),
+    ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
+]
+
 # The whole tiles' dP^T from zero with Delta subtracted after its wait, as the masked steps do:
 # ncu's stall sampling (full 4x16x4096x128, H100) put 11 % of a consumer loop's samples on the
 # FADDs that start dP^T from -Delta, waiting for Delta's LDS (short scoreboard: shared memory busy
@@ -194,3 +490,111 @@ PATCHES["dp-late"] = [
     ("    if MASKED:\n        dpT = dpT - gl.expand_dims(p.delta_smem", "    if True:\n        dpT = dpT - gl.expand_dims(p.delta_smem"),
 ]
 PATCHES["dp-late-s"] = PATCHES["dp-late"] + PATCHES["no-fold-early"]
+
+# The next step's row statistics read from shared memory at the end of this step (after its
+# products are in, under dQ's scale, store and hand-over) and carried into it in registers, so that
+# S^T and dP^T start without waiting for an LDS (ncu: 11 % + 4.6 % of a consumer loop's stall
+# samples there, `dp-late` above). Past the last step the reads hit a stale slot, not waited for.
+# Masked steps, which subtract Delta after dP^T, read it there as before: the carried copy, kept
+# through their softmax and mask code, made ptxas spill in their loop.
+# H100, five rounds, ms base / patch: full 1x16x16384x128 9.806 / 9.830, causal 4.956 / 4.910,
+# sliding window 0.945 / 0.936; head dim 64 full 4x32x4096 2.917 / 3.057, causal 1.695 / 1.678,
+# sliding window 1.012 / 1.026, full 16k 11.105 / 11.746, causal 5.934 / 5.869: no gain, not taken
+_ROWS_FN = '''@gluon.jit
+def _rows(p: Pipeline, j, n, s_layout: gl.constexpr):
+    """Step j's (of n) S^T start (-lse2 / (sm_scale log2 e); FOLD_LSE) and Delta, once its slot landed."""
+    slot = j % p.STAGES
+    mbarrier.wait(p.q_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+    mbarrier.wait(p.do_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+    s_start = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * p.lse_to_acc
+    return s_start, p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+
+
+@gluon.jit
+def _step('''
+PATCHES["rows-ahead"] = [
+    ("@gluon.jit\ndef _step(", _ROWS_FN),
+    ("def _step(p: Pipeline, WG: gl.constexpr, j, m0,", "def _step(p: Pipeline, WG: gl.constexpr, j, n, s_start, delta, m0,"),
+    ("""    mbarrier.wait(p.q_ready.index(slot), phase)
+    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_acc += gl.expand_dims(lse2 * p.lse_to_acc, 0)
+""", """    s_acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    if p.FOLD_LSE:
+        s_acc += gl.expand_dims(s_start, 0)
+"""),
+    ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
+    ("""        delta = p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        dp_acc = gl.zeros""", """        dp_acc = gl.zeros"""),
+    (_WAIT_ALL, _WAIT_ALL + "    s_next, delta_next = _rows(p, j + 1, n, s_layout)\n"),
+    (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, s_next, delta_next")),
+    ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
+     "    mbarrier.wait(p.kv_ready.index(0), 0)\n    s_start, delta = _rows(p, 0, n_blocks * HEADS, s_layout)\n"),
+    *_calls("        dk, dv, s_start, delta = _step(p, WG, j, n_blocks * HEADS, s_start, delta, m0,"),
+]
+# Delta alone carried (S^T still starts from lse2 read at the step's start): half the registers
+PATCHES["delta-ahead"] = [
+    ("@gluon.jit\ndef _step(", _ROWS_FN.replace(
+        '''    s_start = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * p.lse_to_acc
+    return s_start, p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))''',
+        '''    return p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))''').replace(
+        '''    mbarrier.wait(p.q_ready.index(slot), (j // p.STAGES) & 1, pred=j < n)
+''', "").replace("S^T start (-lse2 / (sm_scale log2 e); FOLD_LSE) and Delta", "Delta")),
+    ("def _step(p: Pipeline, WG: gl.constexpr, j, m0,", "def _step(p: Pipeline, WG: gl.constexpr, j, n, delta, m0,"),
+    ("    mbarrier.wait(p.do_ready.index(slot), phase)\n", ""),
+    ("""        delta = p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        dp_acc = gl.zeros""", """        dp_acc = gl.zeros"""),
+    ("        dpT = dpT - gl.expand_dims(p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout)), 0)\n",
+     "        dpT = dpT - gl.expand_dims(delta, 0)\n"),
+    (_WAIT_ALL, _WAIT_ALL + "    delta_next = _rows(p, j + 1, n, s_layout)\n"),
+    (_RETURN, _RETURN.replace("return dk, dv", "return dk, dv, delta_next")),
+    ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
+     "    mbarrier.wait(p.kv_ready.index(0), 0)\n    delta = _rows(p, 0, n_blocks * HEADS, s_layout)\n"),
+    *_calls("        dk, dv, delta = _step(p, WG, j, n_blocks * HEADS, delta, m0,"),
+]
+
+# Each warp group arrives on a dS^T barrier of its own and waits on the other's: Triton's membar puts
+# a warp-group BAR.SYNC between an arrive and a wait, which the meeting had right after the arrive's
+# own sync. Alone this leaves the step's four BAR.SYNC (membar syncs behind any arrive); with the
+# expect below, three
+PATCHES["ds-split"] = [
+    ("    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n",
+     "    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n"
+     "    ds_ready1: gl.shared_memory_descriptor\n"),
+    ("kv_ready, q_ready, do_ready, ds_ready, dq_smem, dq_bars,", "kv_ready, q_ready, do_ready, ds_ready, ds_ready1, dq_smem, dq_bars,"),
+    ("        self.ds_ready = ds_ready\n", "        self.ds_ready = ds_ready\n        self.ds_ready1 = ds_ready1\n"),
+    ("    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n",
+     "    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"
+     "    ds_ready1 = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"),
+    ("        mbarrier.init(ds_ready.index(i), count=2)\n",
+     "        mbarrier.init(ds_ready.index(i), count=1)\n        mbarrier.init(ds_ready1.index(i), count=1)\n"),
+    ("                 kv_ready, q_ready, do_ready, ds_ready,\n", "                 kv_ready, q_ready, do_ready, ds_ready, ds_ready1,\n"),
+    ("""    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+""", """    if WG == 0:
+        mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+        mbarrier.wait(p.ds_ready1.index(j % 2), (j // 2) & 1)
+    else:
+        mbarrier.arrive(p.ds_ready1.index(j % 2), count=1)
+        mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+"""),
+]
+# ... and the arrive as an explicit warp-group barrier (the stores and fence of all its threads are
+# in) and an expect of 0 bytes, which membar does not count as a write to wait behind
+PATCHES["ds-split-expect"] = PATCHES["ds-split"][:-1] + [(PATCHES["ds-split"][-1][0], """    _cta_barrier()
+    if WG == 0:
+        mbarrier.expect(p.ds_ready.index(j % 2), 0)
+        mbarrier.wait(p.ds_ready1.index(j % 2), (j // 2) & 1)
+    else:
+        mbarrier.expect(p.ds_ready1.index(j % 2), 0)
+        mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+""")]
+# ... and the dQ hand-over the same way: no arrive left in the step for membar to sync behind (two
+# BAR.SYNC a step, the two the stores need). H100, five rounds, ms base / ds-split-expect /
+# sync-expect: full 4x16x4096x128 2.632 / 2.660 / 2.628, causal 1.496 / 1.507 / 1.508, full 16k 9.485
+# / 9.805 / 9.726, causal 16k 4.989 / 4.982 / 5.009; head dim 64 full 4k 2.921 / 3.073 / 2.971, causal
+# 1.736 / 1.726 / 1.768, full 16k 11.007 / 11.304 / 11.310, causal 16k 5.938 / 5.884 / 5.983: no gain
+PATCHES["sync-expect"] = PATCHES["ds-split-expect"] + [
+    ("    fence_async_shared()\n    mbarrier.arrive(p.dq_bars.index(WG), count=1)\n",
+     "    fence_async_shared()\n    _cta_barrier()\n    mbarrier.expect(p.dq_bars.index(WG), 0)\n")]

@@ -4,15 +4,16 @@ each patched kernel against the unpatched one and the Triton tier's backward (do
 bf16). Patched kernels compute wrong gradients where a patch drops work: they are timings only.
 
     python benchmarks/gluon/gluon_bwd_probe.py [--shapes BxHxNxD,...] [--only full,causal]
-        [--patches base,dq-scale-late] [--peer fa4] [--rep MS] [--rounds R] [--baseline DIR]
+        [--patches base,dq-scale-late,@DIR] [--peer fa4] [--rep MS] [--rounds R]
 
---baseline DIR: the patch `baseline` renders the kernel from another templates/ folder (an earlier
-commit's: `git archive COMMIT templates | tar -x -C DIR`), so a template change is timed in turn
-against the kernel it replaces.
+A patch @DIR renders the kernel from another templates/ folder (an earlier commit's: `git archive
+COMMIT templates | tar -x -C DIR`), so that a template change is timed in turn against the kernel
+it replaces.
 """
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +33,7 @@ def render(case, D, group, edits=None, templates=None):
     variant = attncc.Variant(case.score_mod, case.mask_mod)
     spec = Spec("bfloat16", D, D, group, "cuda-sm90", tier="gluon")
     kernel_plan = dataclasses.replace(plan.build("bwd", variant.analysis, spec, variant.captures), **(edits or {}))
-    if templates:  # another checkout's templates (--baseline)
+    if templates:  # another checkout's templates (a patch @DIR)
         import jinja2
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates), undefined=jinja2.StrictUndefined,
                                  keep_trailing_newline=True, autoescape=False)
@@ -54,7 +55,6 @@ def main():
     p.add_argument("--patches", default=",".join(PATCHES))
     p.add_argument("--peer", default="", help="also time one of bench.py's systems in turn (fa4, flex-flash)")
     p.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
-    p.add_argument("--baseline", default="", help="templates/ folder the patch `baseline` renders from")
     p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times "
                    "and keep each one's median (the H100's clock moves with its power draw)")
     args = p.parse_args()
@@ -82,12 +82,13 @@ def main():
             fns = {"triton": lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)}
             errors = {}
             for patch in args.patches.split(","):
-                if patch == "baseline":
-                    src = render(case, D, case.gqa, templates=args.baseline)[1]
+                if patch.startswith("@"):  # another checkout's templates
+                    src = render(case, D, case.gqa, templates=patch[1:])[1]
                 else:
                     src = apply(render(case, D, case.gqa, plan_edits(patch))[1] if plan_edits(patch) else text, patch,
                                 PATCHES)
-                module = load(src, f"{name}_{patch}_d{D}_g{case.gqa}", folder)  # one module name per source
+                tag = re.sub(r"\W", "_", patch)  # a module name per source
+                module = load(src, f"{name}_{tag}_d{D}_g{case.gqa}", folder)
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
                 fn = fns[patch] = lambda m=module, gs=grads: m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale)  # noqa: E731
                 fn()

@@ -234,16 +234,11 @@ class Pipeline:
     delta_smem: gl.shared_memory_descriptor  # [STAGES, BLOCK_M]: Delta of the dO tile, with it
     ds_smem: gl.shared_memory_descriptor  # [2, 2 * BLOCK_N, BLOCK_M]: dS^T of both warp groups, two steps
     kv_ready: gl.shared_memory_descriptor  # K and V landed
-    kv_free: gl.shared_memory_descriptor   # both consumers' last products of the tile read K and V
     q_ready: gl.shared_memory_descriptor   # per slot: the Q tile and its lse landed
     do_ready: gl.shared_memory_descriptor  # per slot: the dO tile and its Delta landed
     ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T
     dq_smem: gl.shared_memory_descriptor   # [2, DQ_N // 4, 256]: each consumer's half of the step's dQ
     dq_bars: gl.shared_memory_descriptor   # [4]: per consumer, its dQ half written (0, 1); added, free again (2, 3)
-    tile_ctr: gl.tensor  # DYNAMIC: the tiles drawn so far by all programs (int32, zero at launch)
-    tile_smem: gl.shared_memory_descriptor  # DYNAMIC: [2, 1] the producer's tile indices for the consumers
-    tile_ready: gl.shared_memory_descriptor  # ... per slot: an index is there
-    tile_empty: gl.shared_memory_descriptor  # ... per slot: both consumers read it
     H: gl.tensor
     PAIRS: gl.tensor  # (batch, head group) pairs: B * H // HEADS
     N_CTX_Q: gl.tensor
@@ -252,8 +247,7 @@ class Pipeline:
     KV_OFF: gl.tensor
     sm_scale: gl.tensor
     lse_to_acc: gl.tensor  # -1 / (sm_scale * log2(e)): lse2 in units of the raw score K Q^T
-    CHUNK: gl.tensor  # pairs per chunk of the tiles (see _program)
-    n_tiles: gl.tensor  # K/V tiles of all pairs
+    CHUNK: gl.tensor  # pairs per chunk of the grid (see _program)
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_DIM: gl.constexpr
@@ -261,14 +255,12 @@ class Pipeline:
     GROUP: gl.constexpr  # query heads per K/V head
     HEADS: gl.constexpr  # query heads per program: GROUP (dK, dV summed in registers) or 1 (added in float32)
     FOLD_LSE: gl.constexpr  # S^T starts from -lse2 / (sm_scale * log2(e)) (see _step)
-    DYNAMIC: gl.constexpr  # programs draw their next tile from tile_ctr (else: every num_programs-th)
 
     @gluon.constexpr_function
     def __init__(self, q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_desc, k_smem, v_smem, q_smem,
-                 do_smem, lse_smem, delta_smem, ds_smem, kv_ready, kv_free, q_ready, do_ready, ds_ready, dq_smem,
-                 dq_bars, tile_ctr, tile_smem, tile_ready, tile_empty, H, PAIRS, N_CTX_Q, N_CTX_KV, Q_OFF, KV_OFF, sm_scale,
-                 lse_to_acc, CHUNK, n_tiles,
-                 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, HEADS, FOLD_LSE, DYNAMIC):
+                 do_smem, lse_smem, delta_smem, ds_smem, kv_ready, q_ready, do_ready, ds_ready, dq_smem, dq_bars,
+                 H, PAIRS, N_CTX_Q, N_CTX_KV, Q_OFF, KV_OFF, sm_scale, lse_to_acc, CHUNK,
+                 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, HEADS, FOLD_LSE):
         self.q_desc = q_desc
         self.do_desc = do_desc
         self.k_desc = k_desc
@@ -284,16 +276,11 @@ class Pipeline:
         self.delta_smem = delta_smem
         self.ds_smem = ds_smem
         self.kv_ready = kv_ready
-        self.kv_free = kv_free
         self.q_ready = q_ready
         self.do_ready = do_ready
         self.ds_ready = ds_ready
         self.dq_smem = dq_smem
         self.dq_bars = dq_bars
-        self.tile_ctr = tile_ctr
-        self.tile_smem = tile_smem
-        self.tile_ready = tile_ready
-        self.tile_empty = tile_empty
         self.H = H
         self.PAIRS = PAIRS
         self.N_CTX_Q = N_CTX_Q
@@ -303,7 +290,6 @@ class Pipeline:
         self.sm_scale = sm_scale
         self.lse_to_acc = lse_to_acc
         self.CHUNK = CHUNK
-        self.n_tiles = n_tiles
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
@@ -311,56 +297,22 @@ class Pipeline:
         self.GROUP = gl.constexpr(GROUP)
         self.HEADS = gl.constexpr(HEADS)
         self.FOLD_LSE = gl.constexpr(FOLD_LSE)
-        self.DYNAMIC = gl.constexpr(DYNAMIC)
-
-
-# Which tiles a program runs. Static: tiles pid, pid + num_programs, ... (a program per tile, or
-# per SM where tiles are of equal work). DYNAMIC (FA3's scheduler, a program per SM for tiles of
-# unequal work): the first tile by program id, the next ones drawn from a global counter by the
-# producer once it issued a tile's last loads (so a program that runs a long tile does not hold its
-# next one back), handed to the consumers through a two-slot ring in shared memory.
-@gluon.jit
-def _draw_tile(p: Pipeline, t):
-    """The producer's next tile after t."""
-    if p.DYNAMIC:
-        t = gl.num_programs(0) + gl.atomic_add(p.tile_ctr, 1, sem="relaxed")  # a count: nothing to order
-    else:
-        t += gl.num_programs(0)
-    return t
 
 
 @gluon.jit
-def _give_tile(p: Pipeline, i, t):
-    """DYNAMIC: the producer hands its i-th tile t (>= n_tiles: none left) to the consumers."""
-    if p.DYNAMIC:
-        mbarrier.wait(p.tile_empty.index(i % 2), ((i // 2) & 1) ^ 1)
-        p.tile_smem.index(i % 2).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
-        mbarrier.arrive(p.tile_ready.index(i % 2), count=1)
-
-
-@gluon.jit
-def _take_tile(p: Pipeline, i, t):
-    """A consumer's i-th tile: DYNAMIC, the one the producer handed over; else t."""
-    if p.DYNAMIC:
-        mbarrier.wait(p.tile_ready.index(i % 2), (i // 2) & 1)
-        t = gl.max(p.tile_smem.index(i % 2).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
-        mbarrier.arrive(p.tile_empty.index(i % 2), count=1)
-    return t
-
-
-@gluon.jit
-def _program(p: Pipeline, t):
-    """Tile t -> (b, first query head, first key) and its query-tile schedule. A tile runs the
-    HEADS query heads h0 + [0, HEADS) of one (batch, head group) pair. The tiles run the pairs in
-    chunks of CHUNK (about one wave of tiles), K/V tile major inside a chunk: the tiles running at
-    once share a few heads' Q, dO and dQ in L2 (all heads at once outgrew it: H100, full
-    4x16x4096x128 2.65 -> 4.98 ms), and a chunk's longest tiles (causal: its first K/V tiles) start
-    first, not last (GQA 4:1 causal 4x16x4096x128 with four query heads per tile: 2.10 -> 1.65 ms
-    with chunks of 4 pairs; 16k keys take chunks of 1, head major: 1x16x16384 chunks of 4 cost 5-8 %)."""
+def _program(p: Pipeline):
+    """This program's (b, first query head, K/V head, first key) and its query-tile schedule. A
+    program runs the HEADS query heads h0 + [0, HEADS) of one (batch, head group) pair. The grid
+    runs the pairs in chunks of CHUNK (about one wave of programs), K/V tile major inside a chunk:
+    the programs running at once share a few heads' Q, dO and dQ in L2 (all heads at once outgrew
+    it: H100, full 4x16x4096x128 2.65 -> 4.98 ms), and a chunk's longest programs (causal: its
+    first K/V tiles) start first, not last (GQA 4:1 causal 4x16x4096x128 with four query heads
+    per program: 2.10 -> 1.65 ms with chunks of 4 pairs; 16k keys take chunks of 1, head major:
+    1x16x16384 chunks of 4 cost 5-8 %)."""
     n_kv = gl.cdiv(p.N_CTX_KV, 2 * p.BLOCK_N)
-    chunk = t // (p.CHUNK * n_kv)
+    chunk = gl.program_id(0) // (p.CHUNK * n_kv)
     size = gl.minimum(p.PAIRS - chunk * p.CHUNK, p.CHUNK)  # the last chunk may hold fewer pairs
-    r = t % (p.CHUNK * n_kv)
+    r = gl.program_id(0) % (p.CHUNK * n_kv)
     pair = chunk * p.CHUNK + r % size
     b = pair // (p.H // p.HEADS)
     h0 = pair % (p.H // p.HEADS) * p.HEADS
@@ -458,7 +410,7 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, k_rows, v_
 @gluon.jit
 def consumer(p: Pipeline, WG: gl.constexpr, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
              stride_dvb, stride_dvh, stride_dvn, stride_dvd, ADD_DKV: gl.constexpr):
-    """Consumer warp group WG: K/V rows [WG * BLOCK_N, (WG + 1) * BLOCK_N) of each of the program's tiles."""
+    """Consumer warp group WG: K/V rows [WG * BLOCK_N, (WG + 1) * BLOCK_N) of the program's tile."""
     BLOCK_M: gl.constexpr = p.BLOCK_M
     BLOCK_N: gl.constexpr = p.BLOCK_N
     HEAD_DIM: gl.constexpr = p.HEAD_DIM
@@ -467,47 +419,39 @@ def consumer(p: Pipeline, WG: gl.constexpr, DK, DV, stride_dkb, stride_dkh, stri
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M * HEAD_DIM // 128, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    b, h0, kv_lo, full_lo, full_hi, hi, n_hi, n_masked, n_blocks = _program(p)
+    rot = _q_rotation(p.KV_OFF - p.Q_OFF + kv_lo, full_lo, BLOCK_M)
+    row0 = kv_lo + WG * BLOCK_N
+    kv_idx = gl.expand_dims(p.KV_OFF + row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)), 1)
     k_rows = p.k_smem.slice(WG * BLOCK_N, BLOCK_N)
     v_rows = p.v_smem.slice(WG * BLOCK_N, BLOCK_N)
-    j0 = 0  # steps of the program's earlier tiles: step j0 + it of the rings is this tile's it-th
-    tile_i = 0
-    t = _take_tile(p, 0, gl.program_id(0))
-    while t < p.n_tiles:
-        b, h0, kv_lo, full_lo, full_hi, hi, n_hi, n_masked, n_blocks = _program(p, t)
-        rot = _q_rotation(p.KV_OFF - p.Q_OFF + kv_lo, full_lo, BLOCK_M)
-        row0 = kv_lo + WG * BLOCK_N
-        kv_idx = gl.expand_dims(p.KV_OFF + row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)), 1)
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-        mbarrier.wait(p.kv_ready.index(0), tile_i & 1)
-        for it in range(0, n_masked * HEADS):  # query tiles the mask cuts (and a ragged last one), with the mask
-            m0 = _q_block(it // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
-            dk, dv = _step(p, WG, j0 + it, m0, b, h0 + it % HEADS, dk, dv, kv_idx, k_rows, v_rows,
-                           s_layout, op_layout, dq_layout, True)
-        for it in range(n_masked * HEADS, n_blocks * HEADS):  # query tiles the K/V tile keeps in full: no mask code
-            m0 = _q_block(it // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
-            dk, dv = _step(p, WG, j0 + it, m0, b, h0 + it % HEADS, dk, dv, kv_idx, k_rows, v_rows,
-                           s_layout, op_layout, dq_layout, False)
-        mbarrier.arrive(p.kv_free.index(0), count=1)  # the last products read K and V: the next tile's may load
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(p.kv_ready.index(0), 0)
+    for j in range(0, n_masked * HEADS):  # query tiles the mask cuts (and a ragged last one), with the mask
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, True)
+    for j in range(n_masked * HEADS, n_blocks * HEADS):  # query tiles the K/V tile keeps in full: no mask code
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, False)
 
-        rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)
-        cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
-        ok = rows < p.N_CTX_KV
-        h_kv = (h0 // p.GROUP).to(gl.int64)
-        dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows * stride_dkn + cols * stride_dkd
-        dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows * stride_dvn + cols * stride_dvd
-        if ADD_DKV:  # DK, DV hold earlier chunk pairs' float32 sums (context parallelism): added to
-            gl.store(dk_ptrs, gl.load(dk_ptrs, mask=ok, other=0.0) + dk * p.sm_scale, mask=ok)
-            gl.store(dv_ptrs, gl.load(dv_ptrs, mask=ok, other=0.0) + dv, mask=ok)
-        elif HEADS == p.GROUP:  # every query head of the K/V head ran here
-            gl.store(dk_ptrs, (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok)
-            gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok)
-        else:  # one of them: added into float32 buffers (zeroed by the launcher), which it then rounds
-            gl.atomic_add(dk_ptrs, dk * p.sm_scale, mask=ok, sem="relaxed")  # sums: no ordering wanted
-            gl.atomic_add(dv_ptrs, dv, mask=ok, sem="relaxed")
-        j0 += n_blocks * HEADS
-        tile_i += 1
-        t = _take_tile(p, tile_i, t + gl.num_programs(0))
+    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)
+    cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
+    ok = rows < p.N_CTX_KV
+    h_kv = (h0 // p.GROUP).to(gl.int64)
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows * stride_dkn + cols * stride_dkd
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows * stride_dvn + cols * stride_dvd
+    if ADD_DKV:  # DK, DV hold earlier chunk pairs' float32 sums (context parallelism): added to
+        gl.store(dk_ptrs, gl.load(dk_ptrs, mask=ok, other=0.0) + dk * p.sm_scale, mask=ok)
+        gl.store(dv_ptrs, gl.load(dv_ptrs, mask=ok, other=0.0) + dv, mask=ok)
+    elif HEADS == p.GROUP:  # every query head of the K/V head ran here
+        gl.store(dk_ptrs, (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok)
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok)
+    else:  # one of them: added into float32 buffers (zeroed by the launcher), which it then rounds
+        gl.atomic_add(dk_ptrs, dk * p.sm_scale, mask=ok, sem="relaxed")  # sums: no ordering wanted
+        gl.atomic_add(dv_ptrs, dv, mask=ok, sem="relaxed")
 
 
 @gluon.jit
@@ -520,15 +464,16 @@ def _rows_to_smem(ptr, row, n_rows, smem, bar, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _dq_add(p: Pipeline, j, block):
-    """Step j's dQ, both consumers' halves in shared memory, added into dq_acc's blocks `block` and
-    `block + 1` by TMA reduce-adds; the buffers are handed back once the copies have read them.
-    Issued here rather than by each consumer after its store (H100, bf16, 4x16x4096x128 full 3.09
-    -> 2.83 ms, causal 1.89 -> 1.72; 1x16x16384x128 full 12.95 -> 10.69): a consumer no longer
-    waits for its previous add."""
+def _dq_add(p: Pipeline, i, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot):
+    """Step i's dQ, both consumers' halves in shared memory, added into dq_acc by TMA reduce-adds;
+    the buffers are handed back once the copies have read them. Issued here rather than by each
+    consumer after its store (H100, bf16, 4x16x4096x128 full 3.09 -> 2.83 ms, causal 1.89 -> 1.72;
+    1x16x16384x128 full 12.95 -> 10.69): a consumer no longer waits for its previous add."""
     DQ_N: gl.constexpr = p.BLOCK_M * p.HEAD_DIM // 128
+    tile = _q_block(i // p.HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot)
+    block = ((b * p.H + h0 + i % p.HEADS) * gl.cdiv(p.N_CTX_Q, p.BLOCK_M) + tile) * 2
     for wg in gl.static_range(2):
-        mbarrier.wait(p.dq_bars.index(wg), j & 1)
+        mbarrier.wait(p.dq_bars.index(wg), i & 1)
         _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))
     tma.store_wait(pendings=0)
     for wg in gl.static_range(2):
@@ -536,65 +481,40 @@ def _dq_add(p: Pipeline, j, block):
 
 
 @gluon.jit
-def _kv_load(p: Pipeline, tile_i, b, h_kv, kv_lo):
-    """The program's tile_i-th K and V tile, once both consumers are done with the previous one."""
-    mbarrier.wait(p.kv_free.index(0), (tile_i & 1) ^ 1)
+def producer(p: Pipeline):
+    """The producer warp: the K/V tile once, then Q and dO of every step in the consumers' order,
+    and after step j's loads the dQ adds of step j - 1 (whose Q/dO slot the loads waited for)."""
+    BLOCK_M: gl.constexpr = p.BLOCK_M
+    HEADS: gl.constexpr = p.HEADS
+    b, h0, kv_lo, full_lo, full_hi, hi, n_hi, n_masked, n_blocks = _program(p)
+    rot = _q_rotation(p.KV_OFF - p.Q_OFF + kv_lo, full_lo, BLOCK_M)
+    h_kv = h0 // p.GROUP
     bar = p.kv_ready.index(0)
     mbarrier.expect(bar, p.k_desc.block_type.nbytes + p.v_desc.block_type.nbytes)
     kv_box: gl.constexpr = [1, 1, 2 * p.BLOCK_N, p.HEAD_DIM]
     _tma_load(p.k_desc, [b, h_kv, kv_lo, 0], bar, p.k_smem.reshape(kv_box))
     _tma_load(p.v_desc, [b, h_kv, kv_lo, 0], bar, p.v_smem.reshape(kv_box))
-
-
-@gluon.jit
-def producer(p: Pipeline):
-    """The producer warp: per tile its K and V, then Q and dO of every step in the consumers' order,
-    and after step j's loads the dQ adds of step j - 1 (whose Q/dO slot the loads waited for),
-    across tiles: the first step of a tile adds the previous tile's last."""
-    BLOCK_M: gl.constexpr = p.BLOCK_M
-    HEADS: gl.constexpr = p.HEADS
     q_box: gl.constexpr = [1, 1, BLOCK_M, p.HEAD_DIM]
-    n_q = gl.cdiv(p.N_CTX_Q, BLOCK_M)
-    j0 = 0  # steps of the program's earlier tiles
-    block = 0  # dq_acc's block of the last step whose loads were issued
-    tile_i = 0
-    t = gl.program_id(0)
-    while t < p.n_tiles:
-        _give_tile(p, tile_i, t)
-        b, h0, kv_lo, full_lo, full_hi, hi, n_hi, n_masked, n_blocks = _program(p, t)
-        rot = _q_rotation(p.KV_OFF - p.Q_OFF + kv_lo, full_lo, BLOCK_M)
-        h_kv = h0 // p.GROUP
-        for it in range(n_blocks * HEADS):
-            j = j0 + it
-            tile = _q_block(it // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot)
-            m0 = tile * BLOCK_M
-            h = h0 + it % HEADS
-            slot = j % p.STAGES  # free: step j - STAGES's dQ adds were issued (an arrive per step and consumer saved)
-            # row statistics through registers: a 1-D TMA of them faulted on triton 3.6 (H100); rows past
-            # the head's end are another head's or 0, and the mask code drops them
-            row = (b * p.H + h).to(gl.int64) * p.N_CTX_Q + m0
-            n_rows = p.PAIRS.to(gl.int64) * HEADS * p.N_CTX_Q
-            bar = p.q_ready.index(slot)
-            mbarrier.expect(bar, p.q_desc.block_type.nbytes)
-            _tma_load(p.q_desc, [b, h, m0, 0], bar, p.q_smem.index(slot).reshape(q_box))
-            _rows_to_smem(p.lse_ptr, row, n_rows, p.lse_smem.index(slot), bar, BLOCK_M)
-            bar = p.do_ready.index(slot)
-            mbarrier.expect(bar, p.do_desc.block_type.nbytes)
-            _tma_load(p.do_desc, [b, h, m0, 0], bar, p.do_smem.index(slot).reshape(q_box))
-            _rows_to_smem(p.delta_ptr, row, n_rows, p.delta_smem.index(slot), bar, BLOCK_M)
-            if it == 0:  # Q and dO of the tile's first step are on their way while the consumers finish the last tile
-                _kv_load(p, tile_i, b, h_kv, kv_lo)
-            if j > 0:
-                _dq_add(p, j - 1, block)
-            block = ((b * p.H + h) * n_q + tile) * 2
-        if n_blocks == 0:  # a K/V tile no query tile meets: the consumers still wait for it, then write its zeros
-            _kv_load(p, tile_i, b, h_kv, kv_lo)
-        j0 += n_blocks * HEADS
-        tile_i += 1
-        t = _draw_tile(p, t)  # after the tile's loads are issued
-    _give_tile(p, tile_i, t)  # t >= n_tiles: the consumers stop
-    if j0 > 0:
-        _dq_add(p, j0 - 1, block)
+    for j in range(n_blocks * HEADS):
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        h = h0 + j % HEADS
+        slot = j % p.STAGES  # free: step j - STAGES's dQ adds were issued (an arrive per step and consumer saved)
+        # row statistics through registers: a 1-D TMA of them faulted on triton 3.6 (H100); rows past
+        # the head's end are another head's or 0, and the mask code drops them
+        row = (b * p.H + h).to(gl.int64) * p.N_CTX_Q + m0
+        n_rows = p.PAIRS.to(gl.int64) * HEADS * p.N_CTX_Q
+        bar = p.q_ready.index(slot)
+        mbarrier.expect(bar, p.q_desc.block_type.nbytes)
+        _tma_load(p.q_desc, [b, h, m0, 0], bar, p.q_smem.index(slot).reshape(q_box))
+        _rows_to_smem(p.lse_ptr, row, n_rows, p.lse_smem.index(slot), bar, BLOCK_M)
+        bar = p.do_ready.index(slot)
+        mbarrier.expect(bar, p.do_desc.block_type.nbytes)
+        _tma_load(p.do_desc, [b, h, m0, 0], bar, p.do_smem.index(slot).reshape(q_box))
+        _rows_to_smem(p.delta_ptr, row, n_rows, p.delta_smem.index(slot), bar, BLOCK_M)
+        if j > 0:
+            _dq_add(p, j - 1, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot)
+    if n_blocks * HEADS > 0:
+        _dq_add(p, n_blocks * HEADS - 1, b, h0, full_lo, full_hi, hi, n_hi, n_masked, rot)
 
 
 @gluon.jit(do_not_specialize=["H", "PAIRS", "N_CTX_Q", "N_CTX_KV", "CHUNK", "Q_OFF", "KV_OFF"])
@@ -602,14 +522,13 @@ def attn_bwd(
     q_desc, k_desc, v_desc, do_desc, LSE2, Delta, dq_desc, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    TILE_CTR, H, PAIRS, N_CTX_Q, N_CTX_KV, sm_scale, lse_to_acc, CHUNK, Q_OFF, KV_OFF,
+    H, PAIRS, N_CTX_Q, N_CTX_KV, sm_scale, lse_to_acc, CHUNK, Q_OFF, KV_OFF,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-    HEADS: gl.constexpr, FOLD_LSE: gl.constexpr, DYNAMIC: gl.constexpr, ADD_DKV: gl.constexpr,
+    HEADS: gl.constexpr, FOLD_LSE: gl.constexpr, ADD_DKV: gl.constexpr,
 ):
-    """dK, dV of K/V tiles of one (batch, K/V head) over every query tile of HEADS of its query heads
-    (all GROUP, or one whose dK, dV are added into float32 DK, DV), and those steps' dQ added into
-    dq_desc's float32 tensor (zeroed by attn_bwd_preprocess): a tile per program, or, DYNAMIC, as
-    many as a program draws (TILE_CTR: int32, zero)."""
+    """dK, dV of one K/V tile of one (batch, K/V head) over every query tile of HEADS of its query
+    heads (all GROUP, or one whose dK, dV are added into float32 DK, DV), and those steps' dQ added
+    into dq_desc's float32 tensor (zeroed by attn_bwd_preprocess)."""
     gl.static_assert(STAGES >= 2, "a slot is free once the dQ adds of its step are issued: two steps later")
     dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -619,15 +538,11 @@ def attn_bwd(
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32)  # plain rows
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
-    kv_free = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
-    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(kv_ready.index(0), count=1)
-    mbarrier.init(kv_free.index(0), count=2)  # an arrive per consumer
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=2)  # the TMA's expect and the row statistics' arrive
         mbarrier.init(do_ready.index(i), count=2)
@@ -635,9 +550,6 @@ def attn_bwd(
         mbarrier.init(ds_ready.index(i), count=2)
     for i in gl.static_range(4):
         mbarrier.init(dq_bars.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(tile_ready.index(i), count=1)
-        mbarrier.init(tile_empty.index(i), count=2)
     p = Pipeline(q_desc, do_desc, k_desc, v_desc, LSE2, Delta, dq_desc,
                  gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM], kv_layout),
                  gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM], kv_layout),
@@ -646,12 +558,10 @@ def attn_bwd(
                  gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout),
                  gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout),
                  gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout),
-                 kv_ready, kv_free, q_ready, do_ready, ds_ready,
-                 gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 512, 256], dq_layout), dq_bars, TILE_CTR,
-                 gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])), tile_ready, tile_empty,
-                 H, PAIRS, N_CTX_Q, N_CTX_KV, Q_OFF, KV_OFF, sm_scale, lse_to_acc, CHUNK,
-                 gl.cdiv(N_CTX_KV, 2 * BLOCK_N) * PAIRS, BLOCK_M, BLOCK_N,
-                 HEAD_DIM, STAGES, GROUP, HEADS, FOLD_LSE, DYNAMIC)
+                 kv_ready, q_ready, do_ready, ds_ready,
+                 gl.allocate_shared_memory(gl.float32, [2, BLOCK_M * HEAD_DIM // 512, 256], dq_layout), dq_bars,
+                 H, PAIRS, N_CTX_Q, N_CTX_KV, Q_OFF, KV_OFF, sm_scale, lse_to_acc, CHUNK, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP,
+                 HEADS, FOLD_LSE)
     gl.warp_specialize([
         (consumer, (p, 0, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, ADD_DKV)),  # the default partition: 4 warps
         (consumer, (p, 1, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, ADD_DKV)),
@@ -671,10 +581,6 @@ LAUNCH_TILES = {"attn_bwd": (64, 64, 4, 2)}
 BLOCK_SPARSE = False  # tile lists of the mask's classes (attncc.blocks) drive the query loops
 CLASS_PER_HEAD = False
 TIER = "gluon"
-# More K/V tiles than SMs: a program per SM drawing its tiles (DYNAMIC) up to this many keys, so that
-# a tile's K and V load under the previous tile's dK, dV stores and no tile pays a program's start
-# and end; a program per tile beyond.
-DYNAMIC_KV = 1 << 31
 
 
 def _tma_ready(t):
@@ -714,18 +620,14 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
     # unless that is too large for a float32 (a scale of 0 or next to it)
     fold_lse = abs(sm_scale) >= 1e-30
     n_kv = cdiv(N_CTX_KV, 128)
-    sms = _sm_count(q.device)
-    chunk = max(1, sms // n_kv)  # pairs of a chunk: about one wave of tiles (see _program)
-    tiles = n_kv * (B * H // heads)
-    dynamic = tiles > sms and N_CTX_KV <= DYNAMIC_KV
-    attn_bwd[(sms if dynamic else tiles, )](
+    chunk = max(1, _sm_count(q.device) // n_kv)  # pairs of a chunk: about one wave of programs (see _program)
+    attn_bwd[(n_kv * (B * H // heads), )](
         _descriptor(q, 64), _descriptor(k, 128), _descriptor(v, 128),
         _descriptor(dout, 64), lse2, delta, dq_desc, dk, dv, *dk.stride(), *dv.stride(),
-        torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse2,  # the tile counter (unread if static)
         H, B * H // heads, N_CTX_Q, N_CTX_KV, sm_scale, -1.0 / (sm_scale * 1.4426950408889634) if fold_lse else 0.0, chunk,
         q_off, kv_off,
         BLOCK_M=64, BLOCK_N=64, HEAD_DIM=128, STAGES=2,
-        GROUP=1, HEADS=heads, FOLD_LSE=fold_lse, DYNAMIC=dynamic, ADD_DKV=add_dkv and heads == 1, num_warps=4,
+        GROUP=1, HEADS=heads, FOLD_LSE=fold_lse, ADD_DKV=add_dkv and heads == 1, num_warps=4,
         maxnreg=168,  # registers at entry for 12 warps: the workers take 240 and 24, the default partition the rest
     )
     if write_dq:  # the query chunk's last call (rows), or a call of its own
