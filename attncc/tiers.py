@@ -65,9 +65,11 @@ GLUON_PAYS_SPARSE = {128: 8192}
 #        causal 1.00, ALiBi 0.95
 # ATTNCC_TIER=gluon runs it wherever it fits.
 GLUON_BWD_PAYS = {64: 1024, 128: 1024}
-# ... and under GQA, where each query head's programs add their dK, dV into float32 sums (and
-# rounding them is a pass of its own): H200 16x16x1024x128 GQA 4:1 causal 0.587 / 0.622
-GLUON_BWD_PAYS_GQA = {64: 2048, 128: 2048}
+# ... and under GQA: below 4096 keys at head dim 128 (8192 at 64) a program runs all query heads of
+# its K/V head and sums their dK, dV in registers (SPLIT_HEADS_FROM, sm90/bwd_launch.py.jinja); H200
+# (2026-11-28, in turn, Triton / Gluon ms) GQA 4:1 causal 16x16x1024x128 0.600 / 0.526, 16x32x1024x64
+# 0.684 / 0.546 (before, each query head's programs added float32 sums at 128: 0.587 / 0.622)
+GLUON_BWD_PAYS_GQA = {64: 1024, 128: 1024}
 # ... and where the mask reads captured tensors (tile lists drive the query loops): H200
 # (2026-11-28, tier_ab.py --backward, causal documents, Triton / Gluon ms) 16x16x1024x128 0.373 /
 # 0.440, 8x16x2048x128 0.468 / 0.492, 4x16x4096x128 0.654 / 0.635, 1x16x16384x128 1.631 / 1.356;

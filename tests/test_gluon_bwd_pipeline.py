@@ -8,7 +8,8 @@ it was computed from, so every product must combine one query tile's Q, dO, lse 
 program's K and V (a slot refilled too early, or read before it landed, mixes two tiles); the dQ
 product must read both warp groups' dS^T of its step; each dQ half must be added once, into its
 tile's block, and be intact until the add completes; each warp group's dK and dV must hold every
-step of its program once. The arithmetic is the step tests' (tests/test_gluon_python.py) and the
+step of its program once, staged in K's and V's buffers only once neither warp group's products
+read them any more. The arithmetic is the step tests' (tests/test_gluon_python.py) and the
 GPU tests'."""
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ C = _CInt
 
 class _V:
     """A tensor value: the tiles it was computed from (facts) and, for dK / dV accumulators, the
-    query tiles added into it in order (steps)."""
+    query tiles added into it in order, with the product's kind ("dk", "dv") (steps)."""
 
     def __init__(self, facts=(), steps=()):
         self.facts, self.steps = frozenset(facts), tuple(steps)
@@ -63,16 +64,18 @@ def _union(*xs):
 
 
 class _Smem:
-    """A shared-memory buffer (or a slice of one): its parts' facts, by row range along dim 0."""
+    """A shared-memory buffer (or a slice of one): its parts' facts, by row range along dim 0, and the
+    steps of dK / dV values stored there (the epilogue's staging)."""
 
-    def __init__(self, name, rows, parts=None, lo=0, hi=None):
+    def __init__(self, name, rows, parts=None, lo=0, hi=None, steps=None):
         self.name, self.rows, self.lo, self.hi = name, rows, lo, rows if hi is None else hi
         self.parts = {} if parts is None else parts  # (lo, hi) -> facts stored there
+        self.steps = {} if steps is None else steps  # (lo, hi) -> steps of the value stored there
 
     def slice(self, start, n, dim=0):
         if dim != 0:  # columns of every row (dQ's query rows of dS^T): the same parts
             return self
-        return _Smem(self.name, self.rows, self.parts, self.lo + int(start), self.lo + int(start) + int(n))
+        return _Smem(self.name, self.rows, self.parts, self.lo + int(start), self.lo + int(start) + int(n), self.steps)
 
     def permute(self, dims):
         return self
@@ -86,7 +89,9 @@ class _Smem:
     def store(self, value):
         for key in [k for k in self.parts if k[0] < self.hi and self.lo < k[1]]:  # overwritten
             del self.parts[key]
+            self.steps.pop(key, None)
         self.parts[(self.lo, self.hi)] = value.facts
+        self.steps[(self.lo, self.hi)] = value.steps
 
     def facts(self):
         """What the slice holds: every row must have been written (a read of rows never stored fails)."""
@@ -99,7 +104,7 @@ class _Smem:
         return frozenset(facts)
 
     def load(self, layout=None):
-        return _V(self.facts())
+        return _V(self.facts(), self.steps.get((self.lo, self.hi), ()))
 
 
 class _Out:
@@ -138,6 +143,7 @@ def _pipeline(module, p_fields, programs, rng, H, Lq):
             if copies:
                 slot, facts, bar, nbytes = copies.pop(rng.randrange(len(copies)))
                 slot.parts.clear()  # shared with the slices taken of it
+                slot.steps.clear()
                 slot.parts[(0, slot.rows)] = facts
                 _land(bar, nbytes)
             yield
@@ -166,7 +172,7 @@ def _pipeline(module, p_fields, programs, rng, H, Lq):
         assert len(rows) == 1, f"a product mixes query tiles {sorted(rows)} ({sorted(out.facts)})"
         assert len(out.tiles("k")) <= 1 and len(out.tiles("v")) <= 1, f"a product mixes K/V tiles {sorted(out.facts)}"
         if not isinstance(a, _Smem) and b.name.endswith((".q", ".do")):  # dV += P^T dO, dK += dS^T Q: a step of dK, dV
-            out = _V(acc.facts, acc.steps + tuple(rows))
+            out = _V(acc.facts, acc.steps + tuple((row, "dk" if b.name.endswith(".q") else "dv") for row in rows))
         return out, reads, [r.facts() for r in reads]
 
     def mma_wait(num_outstanding, deps):
@@ -218,15 +224,15 @@ def _pipeline(module, p_fields, programs, rng, H, Lq):
     kernel = module.attn_bwd.fn  # a Launcher (attncc.launcher) holding the Gluon kernel
     kernel = inspect.getsource(getattr(kernel, "fn", kernel))  # the barriers' arrival counts, as the kernel sets them
     counts = {name: int(n) for name, n in re.findall(r"mbarrier\.init\((\w+)\.index\(\w+\), count=(\d+)\)", kernel)}
-    assert set(counts) == {"kv_ready", "q_ready", "do_ready", "ds_ready", "dq_bars"}, counts
+    assert set(counts) == {"kv_ready", "kv_done", "q_ready", "do_ready", "ds_ready", "dq_bars"}, counts
     tasks = []
     for pid in range(programs):
         penv = dict(env, gl=types.SimpleNamespace(**gl, program_id=lambda axis, pid=pid: C(pid)))
         for code in sources:
             exec(code, penv)
         rings = {n: _Ring([_Barrier(counts[n]) for _ in range(k)])
-                 for n, k in [("kv_ready", 1), ("q_ready", stages), ("do_ready", stages), ("ds_ready", 2),
-                              ("dq_bars", 4)]}
+                 for n, k in [("kv_ready", 1), ("kv_done", 1), ("q_ready", stages), ("do_ready", stages),
+                              ("ds_ready", 2), ("dq_bars", 4)]}
         p = types.SimpleNamespace(
             q_desc=_Desc("q"), do_desc=_Desc("do"), k_desc=_Desc("k"), v_desc=_Desc("v"), dq_desc=_Desc("dq"),
             lse_ptr="lse", delta_ptr="delta", k_smem=_Smem(f"p{pid}.k", 2 * bn), v_smem=_Smem(f"p{pid}.v", 2 * bn),
@@ -324,4 +330,5 @@ def test_gluon_backward_pipeline(name, d, group, offsets, tmp_path):
         for pid, steps in want_steps.items():
             for out in ("dk", "dv"):
                 got = [s for o, q, s in stores if (o, q) == (out, pid)]
-                assert got == [steps, steps], (out, pid, got, steps)  # each warp group: every step once, in order
+                want = tuple((row, out) for row in steps)  # dK's products into dK, dV's into dV
+                assert got == [want, want], (out, pid, got, want)  # each warp group: every step once, in order

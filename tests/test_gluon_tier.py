@@ -180,8 +180,10 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
     spec = Spec("bfloat16", 64, 64, 4, "cuda-sm90", tier="gluon")
     assert "SPLIT_HEADS_FROM = 0\n" in codegen.render(plan.build("bwd", per_head.analysis, spec, per_head.captures))
     assert "SPLIT_HEADS_FROM = 8192\n" in codegen.render(plan.build("bwd", causal.analysis, spec, causal.captures))
+    spec = Spec("bfloat16", 128, 128, 4, "cuda-sm90", tier="gluon")
+    assert "SPLIT_HEADS_FROM = 4096\n" in codegen.render(plan.build("bwd", causal.analysis, spec, causal.captures))
     for args, why in [((causal, 128, 1, 1023), "128, 1023 keys (< 1024)"), ((causal, 64, 1, 1000), "(< 1024)"),
-                      ((causal, 128, 4, 2047), "128, GQA, 2047 keys (< 2048)"), ((causal, 64, 2, 1024), "GQA"),
+                      ((causal, 128, 4, 1023), "128, GQA, 1023 keys (< 1024)"), ((causal, 64, 2, 1000), "GQA"),
                       ((causal, 80, 1, 16384), "equal head dims of 64 or 128")]:
         got, reason = tier(*args)
         assert got == "triton" and why in reason, (args, reason)

@@ -273,11 +273,11 @@ def test_gluon_backward_tier_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("D,L,mask", [(64, 1000, "per-head window"), (128, 1000, "per-head window"),
-                                       (64, 8200, "causal")])
+                                       (64, 8200, "causal"), (128, 4200, "causal")])
 def test_gluon_backward_gqa_programs(D, L, mask, monkeypatch):
     """GQA 4:1: a program per query head adding dK, dV into float32 sums (always where the mask
-    reads h, whose tile bounds are one query head's; at head dim 64 from SPLIT_HEADS_FROM keys),
-    against float64 autograd."""
+    reads h, whose tile bounds are one query head's; else from SPLIT_HEADS_FROM keys: 8192 at head
+    dim 64, 4096 at 128), against float64 autograd."""
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     torch.manual_seed(zlib.crc32(f"gqa-programs-{D}-{L}".encode()))
     if mask == "causal":

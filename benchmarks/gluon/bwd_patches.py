@@ -53,11 +53,9 @@ PATCHES = {
     # GQA: the query heads of a K/V head in one program (dK, dV summed in registers), or one per program
     "heads-together": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 1 << 40  # ")],
     "heads-split": [("SPLIT_HEADS_FROM = ", "SPLIT_HEADS_FROM = 0  # ")],
-    # dK and dV computed but not stored (their stores predicated off; timing only): what the epilogue's writes cost
-    "no-dkv-store": [("        gl.store(dk_ptrs, (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok)\n"
-                      "        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok)\n",
-                      "        gl.store(dk_ptrs, (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok & (p.N_CTX_KV < 0))\n"
-                      "        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok & (p.N_CTX_KV < 0))\n")],
+    # dK and dV computed and staged but not stored (their stores predicated off; timing only): what the writes cost
+    "no-dkv-store": [("                 k_rows.load(out), mask=ok)\n", "                 k_rows.load(out), mask=ok & (p.N_CTX_KV < 0))\n"),
+                     ("                 v_rows.load(out), mask=ok)\n", "                 v_rows.load(out), mask=ok & (p.N_CTX_KV < 0))\n")],
 }
 
 _DV_ISSUE = "    dv_tok = warpgroup_mma(pT_op, do_smem, dv, is_async=True)\n"
@@ -338,9 +336,9 @@ PATCHES["s-ahead"] = [
     ("    mbarrier.wait(p.kv_ready.index(0), 0)\n",
      "    mbarrier.wait(p.kv_ready.index(0), 0)\n    s_tok = _issue_s(p, 0, n_blocks * HEADS, k_rows, s_layout)\n"),
     *_calls("        dk, dv, s_tok = _step(p, WG, j, n_blocks * HEADS, s_tok, m0,"),
-    ("\n    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n",
+    ("\n    h_kv = (h0 // p.GROUP).to(gl.int64)\n",
      "\n    warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))  # the one issued past the last step\n"
-     "    rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)\n"),
+     "    h_kv = (h0 // p.GROUP).to(gl.int64)\n"),
 ]
 # ptxas serialises every wgmma of `s-ahead` (a product in flight across the loops' back edges); here
 # step j waits for step j + 1's S^T after handing over its dQ, and step j + 1 starts from it
@@ -562,14 +560,16 @@ PATCHES["ds-split"] = [
     ("    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n",
      "    ds_ready: gl.shared_memory_descriptor  # per dS buffer: both consumers wrote their dS^T\n"
      "    ds_ready1: gl.shared_memory_descriptor\n"),
-    ("kv_ready, q_ready, do_ready, ds_ready, dq_smem, dq_bars,", "kv_ready, q_ready, do_ready, ds_ready, ds_ready1, dq_smem, dq_bars,"),
+    ("kv_ready, kv_done, q_ready, do_ready, ds_ready, dq_smem, dq_bars,",
+     "kv_ready, kv_done, q_ready, do_ready, ds_ready, ds_ready1, dq_smem, dq_bars,"),
     ("        self.ds_ready = ds_ready\n", "        self.ds_ready = ds_ready\n        self.ds_ready1 = ds_ready1\n"),
     ("    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n",
      "    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"
      "    ds_ready1 = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)\n"),
     ("        mbarrier.init(ds_ready.index(i), count=2)\n",
      "        mbarrier.init(ds_ready.index(i), count=1)\n        mbarrier.init(ds_ready1.index(i), count=1)\n"),
-    ("                 kv_ready, q_ready, do_ready, ds_ready,\n", "                 kv_ready, q_ready, do_ready, ds_ready, ds_ready1,\n"),
+    ("                 kv_ready, kv_done, q_ready, do_ready, ds_ready,\n",
+     "                 kv_ready, kv_done, q_ready, do_ready, ds_ready, ds_ready1,\n"),
     ("""    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
     mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
 """, """    if WG == 0:
