@@ -304,7 +304,8 @@ if kind.startswith("fwd"):
                                                             maxnreg=168 if module.WGS == 2 else 128))
 else:
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_bwd"]
-    heads = 1 if Lkv >= module.SPLIT_HEADS_FROM else group  # as the launcher: query heads per program
+    # as the launcher: query heads per program (bwd-split: a program per query head, as from SPLIT_HEADS_FROM keys)
+    heads = 1 if Lkv >= module.SPLIT_HEADS_FROM or kind == "bwd-split" else group
     dkv = k if heads == group else k.float()  # float32 sums where programs share a K/V head
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
@@ -340,6 +341,7 @@ CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG, "
     ("fwd", "causal", 64, 4, "bfloat16")] + [
     ("bwd", name, 128, 1, "bfloat16") for name in ("full", "causal", "alibi", "softcap", "rel_bias", TRIG)] + [
     ("bwd", "causal", 128, 4, "float16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
+    ("bwd-split", "causal", 128, 4, "float16"),  # GQA's float32 sums of dK, dV (a program per query head)
     ("bwd", "softcap", 64, 1, "bfloat16"),
     ("bwd", "document", 128, 1, "bfloat16"), ("bwd", "document", 64, 2, "float16"),  # tile lists (block-sparse)
     ("bwd", "sliding_window", 128, 1, "bfloat16"), ("bwd", "prefix_lm", 128, 1, "bfloat16"),  # masks as row intervals

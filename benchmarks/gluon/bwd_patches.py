@@ -56,6 +56,27 @@ PATCHES = {
     # dK and dV computed and staged but not stored (their stores predicated off; timing only): what the writes cost
     "no-dkv-store": [("                 k_rows.load(out), mask=ok)\n", "                 k_rows.load(out), mask=ok & (p.N_CTX_KV < 0))\n"),
                      ("                 v_rows.load(out), mask=ok)\n", "                 v_rows.load(out), mask=ok & (p.N_CTX_KV < 0))\n")],
+    # GQA's float32 sums (a program per query head): dK, then dV staged as float32 rows in this warp group's
+    # buffer (K's for warp group 0, V's for 1; 32 KB each) once both are done with K and V, then added 16
+    # bytes at a time (red.global.add.v4.f32) instead of a float at a time from the accumulators' registers
+    "gqa-stage": [("""        # one query head of several: added into float32 buffers (zeroed by the launcher), rounded after
+        gl.atomic_add(dk_ptrs, dk * p.sm_scale, mask=ok, sem="relaxed")  # sums: no ordering wanted
+        gl.atomic_add(dv_ptrs, dv, mask=ok, sem="relaxed")
+""", """        mbarrier.arrive(p.kv_done.index(0), count=1)
+        mbarrier.wait(p.kv_done.index(0), 0)
+        stage = (p.k_smem if WG == 0 else p.v_smem)._reinterpret(gl.float32, [BLOCK_N, HEAD_DIM],
+                                                                gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        vec: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_DIM, HEAD_DIM // 4], [4, 1], [1, 0])
+        rows4 = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, vec)), 1)
+        cols4 = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, vec)), 0)
+        ok4 = rows4 < p.N_CTX_KV
+        stage.store(dk * p.sm_scale)
+        gl.atomic_add(DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows4 * stride_dkn + cols4 * stride_dkd,
+                      stage.load(vec), mask=ok4, sem="relaxed")
+        stage.store(dv)
+        gl.atomic_add(DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows4 * stride_dvn + cols4 * stride_dvd,
+                      stage.load(vec), mask=ok4, sem="relaxed")
+""")],
 }
 
 _DV_ISSUE = "    dv_tok = warpgroup_mma(pT_op, do_smem, dv, is_async=True)\n"

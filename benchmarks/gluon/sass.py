@@ -3,10 +3,11 @@ usage (registers, stack) and the instruction counts of each loop of its SASS, th
 notes quote (masked / unmasked key steps, spills inside loops).
 
     ATTNCC_TRITON_36=DIR python benchmarks/gluon/sass.py fwd causal 128 [--group 4] [--dtype float16]
-        [--cp] [--sass FILE]
+        [--cp] [--sass FILE] [--patch NAME]
 
 KIND is fwd or bwd; NAME one of tests/variants.py's variants (causal, document, alibi, ...) or
-test_gluon_tier's extra ones (trig, row_biases); --cp renders the chunk kernels (Q_OFF, KV_OFF).
+test_gluon_tier's extra ones (trig, row_biases); --cp renders the chunk kernels (Q_OFF, KV_OFF);
+--patch applies a probe patch (bwd_patches.py / fwd_patches.py, names joined by +) before compiling.
 The compile is tests/test_gluon_tier.py's (the CI test), run with the Triton in ATTNCC_TRITON_36
 (the GPU machines' 3.6; without it, this environment's). A loop is the span from a label to a
 branch back to it (not the retry blocks of mbarrier waits), so nested loops are listed inside
@@ -69,7 +70,9 @@ def main():
     p.add_argument("--group", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--cp", action="store_true", help="the chunk kernels of context parallelism")
+    p.add_argument("--split", action="store_true", help="bwd, GQA: a program per query head (float32 dK, dV sums)")
     p.add_argument("--sass", help="also write the SASS here")
+    p.add_argument("--patch", default="", help="a probe patch of the rendered source (timing probes' tables)")
     args = p.parse_args()
     from attncc import codegen, plan, runtime
     from attncc.spec import Spec
@@ -77,10 +80,16 @@ def main():
     from test_gluon_tier import COMPILE, _variant
     variant = _variant(args.name, H=2 * args.group)
     spec = Spec(args.dtype, args.head_dim, args.head_dim, args.group, "cuda-sm90", tier="gluon", offsets=args.cp)
-    kind = args.kind + ("-cp" if args.cp else "")
+    kind = args.kind + ("-cp" if args.cp else "-split" if args.split else "")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.kind}_{args.name}.py"
-        path.write_text(codegen.render(plan.build(args.kind, variant.analysis, spec, variant.captures)))
+        source = codegen.render(plan.build(args.kind, variant.analysis, spec, variant.captures))
+        if args.patch:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from probe_common import apply
+            table = __import__(f"{args.kind}_patches").PATCHES
+            source = apply(source, args.patch, table)
+        path.write_text(source)
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNCC_INTERPRET")}
         env["TRITON_CACHE_DIR"] = str(Path(tmp) / "cache")
         if os.environ.get("ATTNCC_TRITON_36"):
