@@ -220,3 +220,9 @@ PATCHES = {
 PATCHES["static"] = [("\nDYNAMIC_KV = 4096\n", "\nDYNAMIC_KV = 0\n")]
 PATCHES["static-3"] = [("\nDYNAMIC_KV = 1 << 31\n", "\nDYNAMIC_KV = 0\n")]  # three consumer warp groups
 PATCHES["drawn"] = [("\nDYNAMIC_KV = 4096\n", "\nDYNAMIC_KV = 1 << 31\n")]
+
+# What a tile's epilogue costs (timing only, outputs left unwritten): its lse stores predicated off,
+# and its output's TMA store dropped (the backward's dK, dV stores from registers held about 4 us a
+# program: docs/performance-notes.md, 2026-11-28, eighth session)
+PATCHES["no-lse-store"] = [("lse, mask=rows < p.N_CTX_Q)\n", "lse, mask=rows < 0)\n")]
+PATCHES["no-o-store"] = [("        _tma_store(p.o_desc, ", "        pass  # _tma_store(p.o_desc, ")]
