@@ -23,8 +23,8 @@ import pytest
 import attncc
 from attncc import blocks, codegen, plan, runtime
 from attncc.spec import Spec
-from test_gluon_python import (_Barrier, _CInt, _Gl, _Ptr, _Ring, _arrive, _expect, _in_python, _land, _sparse_masks,
-                               _wait)
+from test_gluon_python import (_Barrier, _CInt, _Gl, _Ptr, _Ring, _arrive, _expect, _in_python, _interleave, _land,
+                               _sparse_masks, _wait)
 from test_gluon_tier import _variant
 
 runtime._triton(for_cpu=True)
@@ -248,16 +248,7 @@ def _pipeline(module, p_fields, programs, rng, H, Lq):
         extra += [_V() if n.endswith("_ptr") else C(1) for n in params[12 + len(extra):]]  # captured tensors
         tasks += [penv["producer"](p)] + [penv["consumer"](p, wg, _Out("dk", pid), _Out("dv", pid), *[C(1)] * 8, *extra)
                                           for wg in range(2)]
-    engine = tma_engine()
-    for _ in range(5_000_000):  # resume a random unfinished warp (or the copy engine) until all are done
-        if not tasks:
-            break
-        task = rng.choice(tasks + [engine])
-        try:
-            next(task)
-        except StopIteration:
-            tasks.remove(task)
-    assert not tasks, f"deadlock: {len(tasks)} warps left"
+    _interleave(tasks, tma_engine(), rng)
     assert not copies and not pending
     return adds, stores
 

@@ -278,6 +278,20 @@ def _complete(bar):
         bar.completed, bar.pending = bar.completed + 1, 0
 
 
+def _interleave(tasks, engine, rng):
+    """Resume a random unfinished warp (generator) or the copy engine until every warp is done; a
+    deadlock (every warp waiting for good) fails."""
+    for _ in range(5_000_000):
+        if not tasks:
+            break
+        task = rng.choice(tasks + [engine])
+        try:
+            next(task)
+        except StopIteration:
+            tasks.remove(task)
+    assert not tasks, f"deadlock: {len(tasks)} warps left"
+
+
 class _Ring:
     def __init__(self, items):
         self.items = items
@@ -1026,16 +1040,7 @@ def _pipeline_model(module, programs, rng, B, H, Lq, Lkv, group, dynamic, offset
             BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=64, STAGES=stages, GROUP=group, WGS=wgs, PACK=pack, DYNAMIC=dynamic,
             **rings, **({} if offsets is None else dict(Q_OFF=C(offsets[0]), KV_OFF=C(offsets[1]))))
         tasks += [penv["producer"](p)] + [penv["consumer"](p, w) for w in range(wgs)]
-    engine = tma_engine()
-    for _ in range(5_000_000):  # resume a random unfinished warp (or the copy engine) until all are done
-        if not tasks:
-            break
-        task = rng.choice(tasks + [engine])
-        try:
-            next(task)
-        except StopIteration:
-            tasks.remove(task)
-    assert not tasks, f"deadlock: {len(tasks)} warps left"
+    _interleave(tasks, tma_engine(), rng)
     return stored, n_tiles
 
 
