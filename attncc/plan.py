@@ -253,6 +253,16 @@ class KernelPlan:
     # Three warp groups (head dim 64) keep the chain (causal 1x32x16384 2.423 / 2.537 with the tree);
     # a tree for the row sum lost everywhere (it waits for pairs of exp2, the chain takes them in turn)
     row_max_tree: bool = False
+    # Gluon backward at head dims above 64: d score_mod / d score is computed after dP^T's wait from
+    # score_mod's value, which P^T gives back (log2(P^T) + lse2 = score_mod * log2(e)), instead of
+    # beside the score and kept through the softmax and the wait (derive.dscore_of_value; the mods'
+    # ``late`` statements, which read score_mod_log2). Softcap's 32 registers of dscore made ptxas spill
+    # 23 registers a step and reload 35 at head dim 128 (none stored, 7 reloaded with this). H200,
+    # softcap 30 causal, in turn (benchmarks/gluon/gluon_bwd_probe.py, 2026-11-28, patch
+    # dscore-from-p), ms kept / recomputed: 16x16x1024x128 0.681 / 0.614, 4x16x4096x128 1.921 /
+    # 1.699, 1x16x16384x128 6.994 / 5.995; at head dim 64, which did not spill, 4x32x4096x64 2.057 /
+    # 2.286, so it keeps dscore there
+    dscore_late: bool = False
     # Gluon forward: the keys each query keeps where that is a constant-width window (_band), else 0.
     # Where the band is narrow beside the keys, every Q tile has about the same work, and the launcher
     # runs one program per SM over the tiles as for unmasked attention (H100, bf16, ms one program a
@@ -391,6 +401,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         outputs.append(("keep", keep))
     grads = ()
     dscore_one = f.score_bias  # d score_mod / d score == 1: the backward reads no dscore
+    of_value = None  # dscore over score_mod's value (bwd: dscore_late)
     interp = spec.target == "interpreter"
     gluon = kernel in ("fwd", "bwd") and spec.tier == "gluon"
     lang = "gl" if gluon else "tl"
@@ -401,14 +412,17 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     else:
         derived = derive_pass.derive(analysis.score, spec.learnable)
         dscore_one = f.score_identity or derived.dscore == 1  # score + floor(score): 1, not a bias
+        of_value = (derive_pass.dscore_of_value(analysis.score, derived.dscore)
+                    if gluon and not dscore_one and spec.head_dim > 64 else None)
         if not dscore_one:
-            outputs.append(("dscore", printer.float_positions(derived.dscore)))
+            outputs.append(("dscore", printer.float_positions(derived.dscore if of_value is None else of_value)))
         outputs += [(f"dcap{j}", printer.float_positions(g.derivative)) for j, g in enumerate(derived.loads)]
         grads = tuple(_cap_grad(g, j, printer.TritonPrinter(cap_info, interp, lang)) for j, g in enumerate(derived.loads))
         # the Gluon tier's one kernel holds a K/V tile and streams the query tiles (dQ by TMA reduce-add)
         fns = {"attn_bwd_dkdv": {Q}} if gluon else {"attn_bwd_dkdv": {Q}, "attn_bwd_dq": {KV}, "attn_bwd_preprocess": set()}
     tile_rows = not gluon and (interp or sm(spec.target) >= 80)  # row products as tl.dot: bf16 and tf32 want sm80+
-    mods = {fn: printer.emit(_keep_by_rows(outputs, loop), cap_info, loop, interp, lang, tile_rows)
+    late = (derive_pass.SCORE_MOD_LOG2,) if of_value is not None else ()
+    mods = {fn: printer.emit(_keep_by_rows(outputs, loop), cap_info, loop, interp, lang, tile_rows, late)
             for fn, loop in fns.items() if loop}
     row_dots = any("_row_dot(" in text for m in mods.values() for _, text in m.hoisted + m.body)
     tp = printer.TritonPrinter(cap_info, interp, lang)
@@ -468,7 +482,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
         offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree,
         pack_gqa=spec.group if packs else 1,
-        lane_compares=three,
+        lane_compares=three, dscore_late=of_value is not None,
         band=_band(keep) if kernel == "fwd" and gluon and keep is not None else 0)
 
 

@@ -334,10 +334,12 @@ class TritonPrinter(StrPrinter):
 @dataclass(frozen=True)
 class ModCode:
     """Triton statements for a kernel's mods: ``hoisted`` runs once per program before the
-    tile loop, ``body`` inside it; ``outputs`` are the labels the last statements assign."""
+    tile loop, ``body`` inside it, ``late`` after the body where a kernel defines the ``late``
+    symbols emit was given; ``outputs`` are the labels the statements assign."""
     hoisted: tuple  # ((name, text), ...)
     body: tuple
     outputs: tuple
+    late: tuple = ()
 
     def has(self, label: str) -> bool:
         return label in self.outputs
@@ -398,14 +400,15 @@ def _position_sum(e) -> bool:
 
 
 def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = False, lang: str = "tl",
-         row_dots: bool = False) -> ModCode:
+         row_dots: bool = False, late: tuple = ()) -> ModCode:
     """Statements computing the labelled expressions ``outputs`` [(label, sympy expr), ...].
 
     Common subexpressions become temporaries ``t<k>``; each captured-tensor load gets a
     temporary ``cap<n>_<k>``; maximal subexpressions that do not read ``loop_symbols`` (kv_idx
     in the forward) or the score are hoisted before the tile loop (``inv<k>``). With
     ``row_dots``, dot products of a row per query and a row per key become one tile product
-    each (``rd<k>``, attncc.passes.rowdots)."""
+    each (``rd<k>``, attncc.passes.rowdots). Statements that read a symbol of ``late`` (which the
+    kernel defines after the body) go to ``late``."""
     printer = TritonPrinter(captures, interpreter, lang)
     labels = [label for label, _ in outputs]
     outputs = [e for _, e in outputs]
@@ -420,8 +423,9 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
         typed[sym] = typed_symbol(str(sym), expr)
         temps[i] = (typed[sym], expr)
     reduced = [r.xreplace(typed) for r in reduced]
-    varying = set(loop_symbols) | {S.SCORE} | {_TWINS[s] for s in loop_symbols if s in _TWINS}
-    hoisted, body = [], []
+    varying = set(loop_symbols) | {S.SCORE} | set(late) | {_TWINS[s] for s in loop_symbols if s in _TWINS}
+    late = set(late)
+    hoisted, body, after = [], [], []
     for pos, twin in _TWINS.items():
         if any(twin in e.free_symbols for e in outputs):
             (body if pos in loop_symbols else hoisted).append((str(twin), f"{pos}.to({printer.lang}.float32)"))
@@ -430,9 +434,12 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
     def name(prefix, expr, invariant):
         counts[prefix] = counts.get(prefix, -1) + 1
         sym = typed_symbol(f"{prefix}{counts[prefix]}", expr)
-        (hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
+        is_late = bool(expr.free_symbols & late)
+        (after if is_late else hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
         if not invariant:
             varying.add(sym)
+        if is_late:
+            late.add(sym)
         return sym
 
     def lift(e, parent_invariant):
@@ -452,9 +459,12 @@ def emit(outputs: list, captures: tuple, loop_symbols: set, interpreter: bool = 
 
     for sym, expr in list(temps) + list(zip(labels, reduced)):
         invariant = not (expr.free_symbols & varying)
+        is_late = bool(expr.free_symbols & late)
         expr = lift(expr, invariant)
-        (hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
+        (after if is_late else hoisted if invariant else body).append((str(sym), printer.doprint(expr)))
         if not invariant and isinstance(sym, sp.Symbol):
             varying.add(sym)
-    return ModCode(tuple(hoisted), tuple(body), tuple(labels))
+            if is_late:
+                late.add(sym)
+    return ModCode(tuple(hoisted), tuple(body), tuple(labels), tuple(after))
 

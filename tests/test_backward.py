@@ -75,6 +75,40 @@ def test_score_mod_derivatives(name):
     check_grads(1, 2, 2, 37, 45, 16, 16, score_mod=SCORE_MODS[name], mask_mod=causal)
 
 
+# d score_mod / d score over score_mod's value, which the Gluon backward recomputes from P at head dims
+# above 64 (plan.dscore_late): the rewrite where it exists, checked at numbers, and where it must not exist
+OF_VALUE = {**SCORE_MODS, "softcap_alibi": lambda s, b, h, q, k: 20 * torch.tanh(s / 20) + 0.1 * (q - k),
+            "sigmoid": lambda s, b, h, q, k: 3 * torch.sigmoid(2 * s), "sin": lambda s, b, h, q, k: torch.sin(s),
+            "tanh_per_query": lambda s, b, h, q, k: (q + 1) * torch.tanh(s),
+            "tanh_tanh": lambda s, b, h, q, k: torch.tanh(torch.tanh(s))}
+
+
+@pytest.mark.parametrize("name", sorted(OF_VALUE))
+def test_dscore_over_the_value(name):
+    import math
+    from attncc.passes import derive
+    from attncc.passes.symbolic import B, H, KV, Q, SCORE
+    score = attncc.Variant(OF_VALUE[name]).analysis.score
+    dscore = derive.derive(score).dscore
+    got = derive.dscore_of_value(score, dscore)
+    rewritten = {"softcap", "exp", "softcap_alibi", "sigmoid"}  # score_mod = A + B f(u), f' over f, B a number
+    assert (got is not None) == (name in rewritten), got
+    if got is None:
+        return
+    assert SCORE not in got.free_symbols
+    for s in (-7.0, -0.5, 0.25, 3.0):
+        at = {SCORE: s, Q: 11, KV: 4, B: 0, H: 1}
+        value_log2 = float(score.subs(at)) * math.log2(math.e)
+        assert float(got.subs({**at, derive.SCORE_MOD_LOG2: value_log2})) == pytest.approx(float(dscore.subs(at)),
+                                                                                        rel=1e-9, abs=1e-12)
+    spec = lambda d: Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon")  # noqa: E731
+    variant = attncc.Variant(OF_VALUE[name])
+    at_128 = plan.build("bwd", variant.analysis, spec(128))
+    assert at_128.dscore_late and [n for n, _ in at_128.mods["attn_bwd_dkdv"].late][-1:] == ["dscore"]
+    assert not any("score_mod_log2" in text for _, text in at_128.mods["attn_bwd_dkdv"].body)
+    assert not plan.build("bwd", variant.analysis, spec(64)).dscore_late  # no spills there: dscore kept
+
+
 @pytest.mark.parametrize("mask,flat", [(causal, True), (lambda b, h, q, k: (q >= k) & (q - k < 5 + 7 * h), False)],
                          ids=["causal", "window_per_head"])
 def test_gqa_dkdv_loop_forms(mask, flat):

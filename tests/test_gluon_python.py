@@ -734,7 +734,7 @@ def _bwd_step_in_torch(module):
     from types import SimpleNamespace
     src = inspect.getsource(module._step.fn)
     src = src[src.index("def "):]
-    env = {"gl": _GlBwd(), "_tanh": torch.tanh, "_sigmoid": torch.sigmoid, "Pipeline": object,
+    env = {"gl": _GlBwd(), "_tanh": torch.tanh, "_log2_approx": torch.log2, "_sigmoid": torch.sigmoid, "Pipeline": object,
            "mbarrier": SimpleNamespace(wait=lambda *a, **k: None, arrive=lambda *a, **k: None),
            "fence_async_shared": lambda: None, "warpgroup_mma": _mma,
            "_floor_div": lambda a, b: torch.div(a, b, rounding_mode="floor"), "_floor_mod": torch.remainder,

@@ -12,6 +12,7 @@ subexpressions with the recomputed forward value (softcap's tanh appears once).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy as sp
@@ -19,6 +20,9 @@ from sympy.core.function import AppliedUndef
 
 from ..errors import AttnccError
 from .symbolic import SCORE, rint, trunc
+
+# score_mod's value in log2 units, score_mod * log2(e), where the backward recovers it from P: log2(P) + lse2
+SCORE_MOD_LOG2 = sp.Symbol("score_mod_log2", real=True)
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,22 @@ def derive(score: sp.Expr, learnable: tuple = ()) -> Gradients:
     """d score_mod / d score and d score_mod / d load for each load of the ``learnable`` captures."""
     loads = tuple(LoadGrad(c, site, _diff(score, site)) for c in learnable for site in load_sites(score, c))
     return Gradients(_diff(score, SCORE), loads)
+
+
+def dscore_of_value(score: sp.Expr, dscore: sp.Expr):
+    """d score_mod / d score written over score_mod's value (SCORE_MOD_LOG2, in log2 units) instead
+    of the score, or None. Where score_mod = A + B * f(u), f(u) the one function application that
+    reads the score, A free of it and B a nonzero number, and dscore reads the score only through
+    f(u) (tanh' = 1 - tanh^2, exp' = exp, sigmoid' = sigmoid (1 - sigmoid)), f(u) = (value - A) / B:
+    softcap's 1 - tanh(score / c)^2 becomes 1 - (value / c)^2. The backward then need not keep
+    dscore's registers from the score's step to dS: it recomputes dscore from P."""
+    reading = [e for e in score.atoms(sp.Function) if SCORE in e.free_symbols]
+    if len(reading) != 1:
+        return None
+    inner = sp.Dummy("f")
+    outer = score.xreplace({reading[0]: inner})
+    slope = sp.diff(outer, inner)
+    if SCORE in outer.free_symbols or not slope.is_number or slope == 0:
+        return None
+    value = dscore.xreplace({reading[0]: (SCORE_MOD_LOG2 * (1 / math.log2(math.e)) - outer.subs(inner, 0)) / slope})
+    return None if SCORE in value.free_symbols else value

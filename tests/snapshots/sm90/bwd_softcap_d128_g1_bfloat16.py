@@ -73,6 +73,12 @@ def _tanh(x):
 
 
 @gluon.jit
+def _log2_approx(x):
+    # Hardware log2 (MUFU.LG2, 0 -> -inf): gl.log2's exact lowering costs ~25 instructions an element
+    return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + gl.exp2(-1.4426950408889634 * x))
 
@@ -356,9 +362,7 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, k_rows, v_
     else:
         qkT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     score = qkT * p.sm_scale
-    t0 = _tanh(0.03333333333333333*score)
-    score_mod = 30.0*t0
-    dscore = 1.0 - 1.0*(t0 * t0)
+    score_mod = 30.0*_tanh(0.03333333333333333*score)
     sT = score_mod * 1.4426950408889634
     if MASKED:
         valid = (q_idx < p.N_CTX_Q) & (kv_idx < p.N_CTX_KV)  # past the ends; mask_mod
@@ -366,24 +370,38 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, k_rows, v_
     lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))  # read when needed: registers are scarce
     pT = gl.exp2(sT - gl.expand_dims(lse2, 0))
     pT_op = gl.convert_layout(pT.to(p.q_desc.dtype), op_layout)
-    dv_tok = warpgroup_mma(pT_op, do_smem, dv, is_async=True)
-    dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))  # dP^T - Delta (unmasked steps)
+    dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))  # dP^T - Delta (unmasked steps)
     if MASKED:
         dpT = dpT - gl.expand_dims(p.delta_smem.index(slot).load(gl.SliceLayout(0, s_layout)), 0)
     dsT = pT * dpT  # dS' = P * (dP - Delta)
+    # d score_mod / d score from score_mod's value, which P^T gives back: log2(P^T) + lse2 = score_mod * log2(e)
+    # (plan.dscore_late; kept from the score through the softmax and the wait, it spilled)
+    lse2 = p.lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+    score_mod_log2 = _log2_approx(pT) + gl.expand_dims(lse2, 0)
+    dscore = 1.0 - 0.0005338366821313348*(score_mod_log2 * score_mod_log2)
     dsT = gl.where(pT == 0.0, 0.0, dsT * dscore)  # dS = dS' * d score_mod / d score
     dsT = dsT.to(p.q_desc.dtype)
     ds_smem = p.ds_smem.index(j % 2)
     ds_smem.slice(WG * BLOCK_N, BLOCK_N).store(dsT)
     dsT_op = gl.convert_layout(dsT, op_layout)
-    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    # FA4's order from here: dV's product, then (once both warp groups' dS^T are written) dQ's, then dK's
+    # once dV's is in, and dQ stored for the producer while dK's runs. dV issued before dP^T's wait and
+    # dK's before dQ's, the step ended waiting for all three and stored dQ with the tensor cores idle.
+    # H200, in turn, five rounds, ms before / this order with dQ handed over before dK's product was in
+    # (a race with the producer's next load of Q, which the pipeline model caught; the hand-over now
+    # waits for dK's product): full 4x16x4096x128 2.684 / 2.619, causal 1.449 / 1.422, sliding window
+    # 0.812 / 0.770, full 1x16x16384x128 10.131 / 9.872, head dim 64 causal 4x32x4096 1.631 / 1.602;
+    # 16x16x1024x128 and 16k causal within 1 %
+    dv_tok = warpgroup_mma(pT_op, do_smem, dv, is_async=True)
     # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
     fence_async_shared()
     mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
     mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
     dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
                            gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
-    dv, dk, dq, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, pT_op, dsT_op))
+    dv, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, pT_op))
+    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq_tok, ))
     # dQ's half goes to shared memory, from which the producer warp adds it into dq_acc by a TMA
     # reduce-add (register atomics cost H100, full 4x16x4096x128: 2.85 -> 3.95 ms, and 4.12 issued
     # by a warp of their own). In the accumulator's own order: thread t holds rows
@@ -393,6 +411,9 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, k_rows, v_
     dq = gl.reshape(gl.permute(dq, [3, 0, 2, 4, 1, 5]), [DQ_N // 4, 256])
     mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer
     p.dq_smem.index(WG).store(dq)
+    dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))
+    # handed over once dK's product has read Q: the producer refills the slot once the adds are issued.
+    # (The fence before this wait instead of after it crashed ptxas 12.8 (triton 3.6), error -11)
     fence_async_shared()
     mbarrier.arrive(p.dq_bars.index(WG), count=1)
     return dk, dv
