@@ -9,8 +9,8 @@ program's K and V (a slot refilled too early, or read before it landed, mixes tw
 product must read both warp groups' dS^T of its step; each dQ half must be added once, into its
 tile's block, and be intact until the add completes; each warp group's dK and dV must hold every
 step of its program once, staged in K's and V's buffers only once neither warp group's products
-read them any more. The arithmetic is the step tests' (tests/test_gluon_python.py) and the
-GPU tests'."""
+read them any more. Broken kernels (MUTATIONS: a wait or a hand-over out of place) must fail it.
+The arithmetic is the step tests' (tests/test_gluon_python.py) and the GPU tests'."""
 from __future__ import annotations
 
 import inspect
@@ -265,10 +265,41 @@ def test_gluon_backward_pipeline(name, d, group, offsets, tmp_path):
     program's K and V, and its shared-memory operands hold them until it completes; every step's dQ
     halves (both warp groups' dS^T of that step) are added once into their tile's blocks; each warp
     group's dK and dV hold every query tile of its program once, in the schedule's order."""
+    _check_pipeline(name, d, group, offsets, tmp_path)
+
+
+_DK_WAIT = "    dk, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dsT_op))\n"
+_DQ_HANDOVER = "    mbarrier.arrive(p.dq_bars.index(WG), count=1)\n"
+MUTATIONS = {  # name: (edits of the rendered kernel, what the model must say)
+    # dQ handed over while dK's product still reads Q: the producer may refill the slot (FA4's order
+    # as first timed, 2026-11-28)
+    "dq-before-dk": ([(_DK_WAIT, ""), (_DQ_HANDOVER, _DQ_HANDOVER + _DK_WAIT)], "refilled while a product read it"),
+    # dQ's product reads the other warp group's dS^T before it is written
+    "no-ds-meeting": ([("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")], "read before it was written"),
+    # dK, dV staged in K's buffer while the other warp group's products still read K
+    "no-kv-done-wait": ([("        mbarrier.wait(p.kv_done.index(0), 0)\n", "")], "read before it was written"),
+    # dQ's buffer rewritten before the producer's reduce-add of the previous step read it
+    "no-dq-free-wait": ([("    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)", "    pass  #")],
+                        "rewritten while its reduce-add read it"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_gluon_backward_pipeline_catches(mutation, tmp_path):
+    """The model is not vacuous: each of these broken kernels fails it."""
+    edits, message = MUTATIONS[mutation]
+    with pytest.raises(AssertionError, match=message):
+        _check_pipeline("causal", 128, 1, None, tmp_path, edits)
+
+
+def _check_pipeline(name, d, group, offsets, tmp_path, edits=()):
     sparse = _sparse_masks(1000)
     variant = attncc.Variant(None, sparse[name]) if name in sparse else _variant(name, H=2 * group)
     spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon", offsets=offsets is not None)
     source = codegen.render(plan.build("bwd", variant.analysis, spec, variant.captures))
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
     path = tmp_path / "bwd.py"
     path.write_text(source)
     module = runtime.load(path, True, source)
