@@ -147,3 +147,18 @@ def plot(rows, path: Path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def merge(into: Path, parts):
+    """Rows of other runs' results files (bench.py --out elsewhere: one process per GPU) merged into
+    `into` as bench.py merges its own (a part's rows replace those of the same key), chart redrawn."""
+    for part in parts:
+        rows = save(json.loads(Path(part).read_text()), {}, into)
+    plot(rows, into.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) < 4 or sys.argv[1] != "merge":
+        sys.exit("usage: python benchmarks/report.py merge INTO.json PART.json [PART.json ...]")
+    merge(Path(sys.argv[2]), sys.argv[3:])
