@@ -80,7 +80,8 @@ def test_score_mod_derivatives(name):
 OF_VALUE = {**SCORE_MODS, "softcap_alibi": lambda s, b, h, q, k: 20 * torch.tanh(s / 20) + 0.1 * (q - k),
             "sigmoid": lambda s, b, h, q, k: 3 * torch.sigmoid(2 * s), "sin": lambda s, b, h, q, k: torch.sin(s),
             "tanh_per_query": lambda s, b, h, q, k: (q + 1) * torch.tanh(s),
-            "tanh_tanh": lambda s, b, h, q, k: torch.tanh(torch.tanh(s))}
+            "tanh_tanh": lambda s, b, h, q, k: torch.tanh(torch.tanh(s)),
+            "small_cap": lambda s, b, h, q, k: 0.05 * torch.tanh(s / 0.05)}  # B < 0.1: the value's error / B
 
 
 @pytest.mark.parametrize("name", sorted(OF_VALUE))

@@ -67,7 +67,7 @@ def derive(score: sp.Expr, learnable: tuple = ()) -> Gradients:
 def dscore_of_value(score: sp.Expr, dscore: sp.Expr):
     """d score_mod / d score written over score_mod's value (SCORE_MOD_LOG2, in log2 units) instead
     of the score, or None. Where score_mod = A + B * f(u), f(u) the one function application that
-    reads the score, A free of it and B a nonzero number, and dscore reads the score only through
+    reads the score, A free of it, B a number (|B| >= 0.1), and dscore reads the score only through
     f(u) (tanh' = 1 - tanh^2, exp' = exp, sigmoid' = sigmoid (1 - sigmoid)), f(u) = (value - A) / B:
     softcap's 1 - tanh(score / c)^2 becomes 1 - (value / c)^2. The backward then need not keep
     dscore's registers from the score's step to dS: it recomputes dscore from P."""
@@ -77,7 +77,9 @@ def dscore_of_value(score: sp.Expr, dscore: sp.Expr):
     inner = sp.Dummy("f")
     outer = score.xreplace({reading[0]: inner})
     slope = sp.diff(outer, inner)
-    if SCORE in outer.free_symbols or not slope.is_number or slope == 0:
+    # f(u) = (value - A) / B carries the value's error (float32 rounding of lse2, lg2.approx: about
+    # 1e-6 in log2 units) divided by B: a B below 0.1 would make dscore's error that much larger
+    if SCORE in outer.free_symbols or not slope.is_number or abs(float(slope)) < 0.1:
         return None
     value = dscore.xreplace({reading[0]: (SCORE_MOD_LOG2 * (1 / math.log2(math.e)) - outer.subs(inner, 0)) / slope})
     return None if SCORE in value.free_symbols else value
