@@ -381,13 +381,8 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, k_rows, v_
     ds_smem.slice(WG * BLOCK_N, BLOCK_N).store(dsT)
     dsT_op = gl.convert_layout(dsT, op_layout)
     # FA4's order from here: dV's product, then (once both warp groups' dS^T are written) dQ's, then dK's
-    # once dV's is in, and dQ stored for the producer while dK's runs. dV issued before dP^T's wait and
-    # dK's before dQ's, the step ended waiting for all three and stored dQ with the tensor cores idle.
-    # H200, in turn, five rounds, ms before / this order with dQ handed over before dK's product was in
-    # (a race with the producer's next load of Q, which the pipeline model caught; the hand-over now
-    # waits for dK's product): full 4x16x4096x128 2.684 / 2.619, causal 1.449 / 1.422, sliding window
-    # 0.812 / 0.770, full 1x16x16384x128 10.131 / 9.872, head dim 64 causal 4x32x4096 1.631 / 1.602;
-    # 16x16x1024x128 and 16k causal within 1 %
+    # once dV's is in, and dQ stored for the producer while dK's runs: 0-5 % faster than ending the step
+    # waiting for all three with the tensor cores idle (H200; benchmarks/gluon/NOTES.md, ninth session)
     dv_tok = warpgroup_mma(pT_op, do_smem, dv, is_async=True)
     # dQ needs both warp groups' dS^T: this one's is written, wait for the other's
     fence_async_shared()
