@@ -210,3 +210,19 @@ PATCHES["ds-split-expect"] = PATCHES["ds-split"][:-1] + [(PATCHES["ds-split"][-1
 PATCHES["sync-expect"] = PATCHES["ds-split-expect"] + [
     ("    fence_async_shared()\n    mbarrier.arrive(p.dq_bars.index(WG), count=1)\n",
      "    fence_async_shared()\n    _cta_barrier()\n    mbarrier.expect(p.dq_bars.index(WG), 0)\n")]
+
+# The producer's row statistics by cp.async with an mbarrier arrive on completion (each of the warp's
+# 32 lanes arrives, .noinc: the slot barriers count 1 + 32) instead of a load the producer waits for
+# before it issues the next TMA: the producer no longer sits out two global-load latencies a step
+PATCHES["rows-async"] = [
+    ("""    smem.store(gl.load(ptr + rows, mask=rows < n_rows, other=0.0))
+    mbarrier.arrive(bar, count=1)
+""", """    async_copy.async_copy_global_to_shared(smem, ptr + rows, mask=rows < n_rows)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+"""),
+    ("        mbarrier.init(q_ready.index(i), count=2)", "        mbarrier.init(q_ready.index(i), count=33)"),
+    ("        mbarrier.init(do_ready.index(i), count=2)", "        mbarrier.init(do_ready.index(i), count=33)"),
+    ("from triton.experimental.gluon.nvidia.hopper import TensorDescriptor\n",
+     "from triton.experimental.gluon.nvidia.hopper import TensorDescriptor\n"
+     "from triton.experimental.gluon.language.nvidia.ampere import async_copy\n"),
+]
