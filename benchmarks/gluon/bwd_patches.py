@@ -213,7 +213,8 @@ PATCHES["sync-expect"] = PATCHES["ds-split-expect"] + [
 
 # The producer's row statistics by cp.async with an mbarrier arrive on completion (each of the warp's
 # 32 lanes arrives, .noinc: the slot barriers count 1 + 32) instead of a load the producer waits for
-# before it issues the next TMA: the producer no longer sits out two global-load latencies a step
+# before it issues the next TMA. Timing only: masked lanes leave the slot's old values where the load
+# wrote 0. H200: 0.5-2 % slower (benchmarks/gluon/NOTES.md, tenth session)
 PATCHES["rows-async"] = [
     ("""    smem.store(gl.load(ptr + rows, mask=rows < n_rows, other=0.0))
     mbarrier.arrive(bar, count=1)
