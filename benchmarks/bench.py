@@ -2,7 +2,7 @@
 forward+backward, ten variants, plus first-call latency in fresh processes.
 
     python benchmarks/bench.py [--quick] [--only VARIANT,...] [--shapes BxHxNxD,...]
-                               [--warmup MS] [--rep MS] [--latency all|none|VARIANT,...]
+                               [--warmup MS] [--rep MS] [--rounds N] [--latency all|none|VARIANT,...]
                                [--latency-shape BxHxNxD] [--out DIR]
 
 What is measured and how TFLOP/s are counted: benchmarks/README.md. The internal
@@ -19,6 +19,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -173,8 +174,10 @@ def timing_row(system, base, fwd_ms=None, bwd_ms=None, fwdbwd_ms=None, note=None
                 fwdbwd_tflops=3.5 * f / fwdbwd_ms / 1e9 if fwdbwd_ms else None, note=note, **extra)
 
 
-def bench_case(case, shape, warmup, rep, systems=SYSTEMS):
-    """Rows of each system for one variant at one shape: check attncc, then time each system."""
+def bench_case(case, shape, warmup, rep, systems=SYSTEMS, rounds=1):
+    """Rows of each system for one variant at one shape: check attncc, then time the systems in
+    turn, `rounds` times (each row keeps the median of its rounds, per time: a drift of the GPU's
+    clock or of another process's load then touches every system alike)."""
     B, H, N, D = shape
     Hkv = H // case.gqa
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -201,24 +204,34 @@ def bench_case(case, shape, warmup, rep, systems=SYSTEMS):
         extra = dict(check_ref=ref_system + (" (dropout off)" if case.dropout_p else ""), check_errors=errs,
                      check_ok=all(e < TOL for e in errs.values()))
         break
+    times = {}  # system -> [(fwd, bwd, fwd+bwd ms) per round], or the exception that stopped it
+    for _ in range(rounds):
+        for system in systems:
+            fn = fns[system]
+            if fn is None or isinstance(times.get(system), Exception):
+                continue
+            try:
+                if isinstance(fn, Exception):
+                    raise fn
+                with backend(system):
+                    times.setdefault(system, []).append(time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep))
+            except Exception as e:
+                times[system] = e
     rows = []
     for system in systems:
-        fn, note = fns[system], None
-        if fn is None:
+        got, note = times.get(system), None
+        if fns[system] is None:
             rows.append(timing_row(system, base, note=not_available(system, case)))
             continue
         if system == "attncc" and extra["check_ok"] is not True:
             note = (f"CHECK FAILED vs {extra['check_ref']}: " if extra["check_ok"] is False else "unchecked: ") + \
                 ", ".join(f"{n} {e:.1e}" if isinstance(e, float) else str(e) for n, e in extra["check_errors"].items())
             print(f"WARNING attncc {case.name} {fmt_shape(shape)}: {note}", flush=True)
-        try:
-            if isinstance(fn, Exception):
-                raise fn
-            with backend(system):
-                fwd_ms, bwd_ms, fwdbwd_ms = time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep)
-            row = timing_row(system, base, fwd_ms, bwd_ms, fwdbwd_ms, note, **(extra if system == "attncc" else {}))
-        except Exception as e:
-            row = timing_row(system, base, note=f"error: {type(e).__name__}: {str(e)[:200]}")
+        if isinstance(got, Exception):
+            row = timing_row(system, base, note=f"error: {type(got).__name__}: {str(got)[:200]}")
+        else:
+            medians = [statistics.median(t[i] for t in got) for i in range(3)]
+            row = timing_row(system, base, *medians, note, rounds=len(got), **(extra if system == "attncc" else {}))
         rows.append(row)
         print(progress_line(row), flush=True)
     return rows
@@ -324,6 +337,8 @@ def parse_args(argv=None):
                    "against sdpa-flash or flex only when one of them runs; flex-flash and fa4 need flash-attn-4)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (default 100)")
+    p.add_argument("--rounds", type=int, default=1, help="time the systems of a cell in turn this many times and "
+                   "keep each time's median (default 1)")
     p.add_argument("--latency", help="first-call latency for: all | none | VARIANT,... (default: the --only "
                    "variants, else all; --quick: causal)")
     p.add_argument("--latency-shape", type=lambda s: shapes(s)[0], default=LATENCY_SHAPE,
@@ -335,6 +350,8 @@ def parse_args(argv=None):
     lat = args.latency or (",".join(QUICK_LATENCY) if args.quick else ",".join(args.names))
     args.latency_names = [] if lat == "none" else list(NAMES) if lat == "all" else lat.split(",")
     args.systems = args.systems.split(",")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if any(s not in SYSTEMS for s in args.systems):
         p.error(f"unknown system in {','.join(args.systems)}; choose among {', '.join(SYSTEMS)}")
     bad = [n for n in dict.fromkeys(args.names + args.latency_names) if n not in NAMES]
@@ -368,7 +385,7 @@ def main(argv=None):
         cases = make_cases(shape[1], shape[2], DEVICE)
         for name in args.names:
             if shape[1] % cases[name].gqa == 0:
-                rows += bench_case(cases[name], shape, args.warmup, args.rep, args.systems)
+                rows += bench_case(cases[name], shape, args.warmup, args.rep, args.systems, args.rounds)
                 save(rows, env, path)  # after every case: a run cut short keeps what it measured
         print(f"-- {fmt_shape(shape)} done in {time.perf_counter() - t:.0f} s", flush=True)
     if args.latency_names:
