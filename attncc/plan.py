@@ -362,7 +362,9 @@ def wide_forward(facts, mask_class: str, head_dim: int) -> bool:
     with the identity score_mod and a mask that does not band the keys. With 160 registers each,
     other mods and a banded mask's code spill (H100, 1x32x16384x64, ms with three / two:
     ALiBi 4.45 / 3.13, sliding window 0.83 / 0.52), and a mask that reads captured tensors (a document
-    mask: 368 bytes of stack, sm90, triton 3.6)."""
+    mask: 368 bytes of stack, sm90, triton 3.6). Sliding window and softcap no longer spill in the
+    key loops and are still slower (H200, 2026-11-29, gluon_fwd_probe.py `wide`, 4x32x4096x64, ms
+    with two / three: sliding window 0.377 / 0.449, softcap 0.926 / 1.275, ALiBi 0.857 / 1.537)."""
     return head_dim == 64 and facts.score_identity and mask_class != "banded" and not facts.captures_in_mask
 
 

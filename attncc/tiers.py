@@ -38,7 +38,20 @@ GLUON_PAYS_UNMASKED = {64: 2048}
 # shortest length (H200, 2026-11-28, benchmarks/tier_ab.py, Triton / Gluon ms): 16x16x1024x128 ALiBi
 # 0.198 / 0.242, softcap 0.216 / 0.236 (causal 0.179 / 0.183); 8x16x2048x128 ALiBi 0.340 / 0.355,
 # softcap 0.360 / 0.356; at 4096 the Gluon forward is the faster
-GLUON_PAYS_SCORED = {128: 2048}
+# At head dim 64 such score_mods run on two consumer warp groups (three measured slower); there
+# (H200, 2026-11-29, tier_ab.py, causal, Triton / Gluon ms) ALiBi 16x32x1024 0.253 / 0.393, 8x32x2048
+# 0.454 / 0.522, 2x32x8192 1.602 / 1.718, 4x32x4096 0.827 / 0.849, 1x32x16384 3.142 / 3.105; softcap
+# 0.274 / 0.385, 0.485 / 0.532, 1.831 / 1.848, 0.913 / 0.925, 3.553 / 3.382
+GLUON_PAYS_SCORED = {128: 2048, 64: 16384}
+# ... and where the score_mod reads captured tensors (a table gathered per score), head dim -> the
+# shortest length (same runs, relative bias causal): 16x32x1024x64 0.775 / 0.432, 8x32x2048 1.284 /
+# 0.571, 4x32x4096 2.307 / 0.980, 2x32x8192 4.287 / 2.014, 1x32x16384 8.150 / 3.686
+GLUON_PAYS_GATHERED = {64: 1024}
+# ... and where the mask bands the keys (a sliding window: two consumer warp groups; three measured
+# 1.2-1.8x slower), head dim -> the shortest length (H200, 2026-11-29, gluon_fwd_probe.py in turn,
+# three rounds, sliding window 1024, Triton / Gluon ms): 16x32x1024x64 0.244 / 0.229, 4x32x4096
+# 0.386 / 0.377 (tier_ab.py the same day: 0.370 / 0.375), 1x32x16384 0.421 / 0.396 (0.400 / 0.391)
+GLUON_PAYS_BANDED = {64: 1024}
 # ... and where it packs a GQA group's query heads into its tiles (plan.packs_gqa), head dim -> the
 # shortest length (H200, 2026-11-28, benchmarks/gluon/gluon_fwd_probe.py, GQA 4:1 causal, Triton /
 # Gluon ms): 16x32x1024x64 0.225 / 0.258, 8x32x2048x64 0.386 / 0.370
@@ -77,25 +90,33 @@ GLUON_BWD_PAYS_GQA = {64: 1024, 128: 1024}
 GLUON_BWD_PAYS_SPARSE = {64: 16384, 128: 4096}
 
 
-_packs: dict = {}  # (variant, head dim, group, offsets) -> plan.packs_gqa
+_pays: dict = {}  # (variant, head dim, group, offsets) -> gluon_pays: per call
 
 
 def gluon_pays(variant, d: int, group: int = 1, offsets: bool = False) -> int:
     """The shortest query and key length from which ``auto`` runs the Gluon forward at head dim d,
     ``group`` query heads a K/V head (``offsets``: on chunks of a longer sequence)."""
+    key = (variant.ir_key, d, group, offsets)
+    if key not in _pays:
+        _pays[key] = _shortest(variant, d, group, offsets)
+    return _pays[key]
+
+
+def _shortest(variant, d, group, offsets) -> int:
     facts = variant.analysis.facts
+    mask_class = plan.forward_mask_class(variant.analysis)
     if facts.captures_in_mask and d in GLUON_PAYS_SPARSE:
         return GLUON_PAYS_SPARSE[d]
-    if facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
-        return GLUON_PAYS_UNMASKED[d]
+    if d in GLUON_PAYS_GATHERED and _gathers_by_position(variant):
+        return GLUON_PAYS_GATHERED[d]
     if not facts.score_identity and d in GLUON_PAYS_SCORED:
         return GLUON_PAYS_SCORED[d]
-    if d in GLUON_PAYS_PACKED and group > 1:
-        key = (variant.ir_key, d, group, offsets)
-        if key not in _packs:
-            _packs[key] = plan.packs_gqa(facts, plan.forward_mask_class(variant.analysis), d, group, offsets)
-        if _packs[key]:
-            return GLUON_PAYS_PACKED[d]
+    if facts.mask_trivial and d in GLUON_PAYS_UNMASKED:
+        return GLUON_PAYS_UNMASKED[d]
+    if mask_class == "banded" and d in GLUON_PAYS_BANDED and not {"b", "h"} & set(facts.mask_reads):  # as measured
+        return GLUON_PAYS_BANDED[d]
+    if d in GLUON_PAYS_PACKED and group > 1 and plan.packs_gqa(facts, mask_class, d, group, offsets):
+        return GLUON_PAYS_PACKED[d]
     return GLUON_PAYS.get(d, 0)
 
 
@@ -130,6 +151,18 @@ def _row_products(variant) -> bool:
     a = variant.analysis
     caps = tuple((nd, kind, False) for nd, kind in a.captures)
     return any(find_row_dots(e, caps).has(RowDot) for e in (a.score, a.mask) if isinstance(e, sp.Basic))
+
+
+def _gathers_by_position(variant) -> bool:
+    """Whether the score_mod loads a captured tensor at an index that reads q_idx or kv_idx (a
+    relative-position table: a gather per score; ALiBi's slopes, read per head, are not)."""
+    from .passes import derive
+    from .passes.symbolic import KV, Q
+    score = variant.analysis.score
+    if score is None:
+        return False
+    sites = [site for c in variant.analysis.facts.captures_in_score for site in derive.load_sites(score, c)]
+    return any({Q, KV} & set().union(*(i.free_symbols for i in site.args)) for site in sites if site.args)
 
 
 def _indexed_by_both_positions(variant, learnable) -> bool:
@@ -182,12 +215,13 @@ def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
         return "triton", why_not
     if want == "auto" and d not in GLUON_PAYS:
         return "triton", f"head dim {d}: the Gluon forward measured slower than the Triton tier's (tiers.GLUON_PAYS)"
-    if want == "auto" and d == 64 and not plan.wide_forward(variant.analysis.facts, plan.forward_mask_class(variant.analysis), d):
-        return "triton", ("head dim 64: the Gluon forward pays with three consumer warp groups, which need the "
-                          "identity score_mod and a mask that neither bands the keys nor reads tensors "
-                          "(plan.wide_forward)")
+    facts = variant.analysis.facts
+    wide = d == 64 and plan.wide_forward(facts, plan.forward_mask_class(variant.analysis), d)
+    if want == "auto" and d == 64 and not wide and facts.captures_in_mask:
+        return "triton", ("head dim 64, a mask that reads tensors: the Gluon forward spills with three consumer "
+                          "warp groups (plan.wide_forward) and measured slower with two")
     return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {dtype}, head dim {d}: measured faster" + (
-        " (three consumer warp groups)" if d == 64 else "")
+        f" ({'three' if wide else 'two'} consumer warp groups)" if d == 64 else "")
 
 
 def _unfit(variant, dtype, d, dv, dropout) -> str | None:

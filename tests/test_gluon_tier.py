@@ -103,9 +103,13 @@ def test_tier_choice(monkeypatch):
         tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2047)
         assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, length=17)[0] == "gluon"
-    for name in ("alibi", "sliding_window", "softcap"):
-        tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=16384)
-        assert tier == "triton" and "three consumer warp groups" in reason, (name, reason)
+    # ... and with two warp groups at head dim 64: a score_mod from 16384, one that gathers a table
+    # by position from 1024 (ALiBi's slopes are read per head: not a gather), a banded mask from 1024
+    for name, shortest in (("alibi", 16384), ("softcap", 16384), ("rel_bias", 1024), ("sliding_window", 1024)):
+        tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=shortest)
+        assert tier == "gluon" and "two consumer warp groups" in reason, (name, reason)
+        tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=shortest - 1)
+        assert tier == "triton" and f"(< {shortest})" in reason, (name, reason)
     q = torch.zeros(1, 2, 8, 256, dtype=torch.bfloat16)[..., ::2]  # head-dim stride 2: no TMA box
     tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, (q, q, q))
     assert tier == "triton" and "TMA" in reason
@@ -136,7 +140,9 @@ def test_explain_and_source_name_the_tier(monkeypatch):
     # a score_mod other than the identity: the Gluon forward from 2048 queries and keys at head dim 128
     assert ("forward, sm90, bfloat16, head dim 128: triton (head dim 128, an unknown length (< 2048): the Gluon "
             "forward measured slower (tiers.gluon_pays)); from 2048 queries and keys: gluon") in text, text
-    assert "head dim 64: triton (head dim 64: the Gluon" in text
+    assert ("head dim 64: triton (head dim 64, an unknown length (< 16384): the Gluon forward measured slower "
+            "(tiers.gluon_pays)); from 16384 queries and keys: gluon (sm90, bfloat16, head dim 64: measured faster "
+            "(two consumer warp groups))") in text, text
     src = kernel.source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
     assert "Gluon tier" not in src  # source() shows what a call of unknown length runs
     src = attncc.compile(_variant("causal")).source("fwd", dtype=torch.bfloat16, head_dim=128, target="cuda-sm90")
@@ -482,6 +488,20 @@ def test_probe_patches_still_apply():
     patch that did nothing (or fails on the GPU, after its compile time)."""
     _assert_patches_apply("bwd_patches", "bwd", (128, ), names=lambda patch: not patch.endswith("-64"))
     _assert_patches_apply("bwd_patches", "bwd", (64, ), names=lambda patch: patch.endswith("-64"))
+
+
+def test_probe_plan_patches_set_the_warp_groups():
+    """gluon_fwd_probe.py's plan patches `wide` / `narrow` build the head-dim-64 forward with three /
+    two consumer warp groups whatever plan.wide_forward grants, and leave head dim 128 at two."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gluon"))
+    from probe_common import build_plan
+    spec = lambda d: Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon")  # noqa: E731
+    for name, patch, d, groups in [("sliding_window", "", 64, 2), ("sliding_window", "wide", 64, 3),
+                                   ("causal", "", 64, 3), ("causal", "narrow", 64, 2), ("causal", "wide", 128, 2),
+                                   ("causal", "narrow+mask-kv", 64, 2)]:
+        source = codegen.render(build_plan("fwd", _variant(name), spec(d), patch))
+        assert f"WGS = {groups}" in source, (name, patch, d)
 
 
 def test_forward_probe_patches_still_apply():

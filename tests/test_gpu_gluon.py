@@ -113,6 +113,32 @@ def test_auto_tier_picks_the_wide_gluon_forward_for_long_sequences(name, group, 
         assert attncc.compile(variant).module("fwd", spec).WGS == 3
 
 
+@pytest.mark.parametrize("name", ["rel_bias", "sliding_window"])
+def test_auto_tier_takes_two_warp_groups_at_head_dim_64(name, monkeypatch):
+    """With no ATTNCC_TIER, head dim 64 runs a score_mod that loads a captured table at q_idx - kv_idx,
+    and a sliding window, on the Gluon forward with two consumer warp groups from 1024 queries and
+    keys (tiers.gluon_pays), and the Triton tier's below; both against the float64 reference."""
+    monkeypatch.delenv("ATTNCC_TIER", raising=False)
+    chosen, choose = [], attncc.tiers.choose
+
+    def spy(*args, **kwargs):
+        tier, why = choose(*args, **kwargs)
+        chosen.append(tier)
+        return tier, why
+    monkeypatch.setattr(attncc.tiers, "choose", spy)
+    torch.manual_seed(12)
+    for L, tier in ((1024, "gluon"), (1023, "triton")):
+        score_mod, mask_mod = BUILDERS[name](2, 4, L, L, "cuda")
+        q, k, v = (torch.randn(2, 4, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        chosen.clear()
+        out, lse = attncc.attention(q, k, v, score_mod, mask_mod, return_lse=True)
+        assert chosen and set(chosen) == {tier}, (L, chosen)  # what the call ran
+        ref, ref_lse = reference_on_gpu(q, k, v, score_mod, mask_mod)
+        assert_close_to_reference(out, lse, ref, ref_lse, torch.bfloat16)
+    spec = attncc.spec.Spec("bfloat16", 64, 64, 1, "cuda-sm90", tier="gluon")
+    assert attncc.compile(attncc.Variant(score_mod, mask_mod)).module("fwd", spec).WGS == 2
+
+
 def test_gluon_forward_feeds_the_backward(monkeypatch):
     """A learnable relative-position table: the Gluon forward's output and lse drive the Triton
     tier's backward; gradients equal those after a Triton-tier forward."""

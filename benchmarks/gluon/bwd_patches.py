@@ -41,6 +41,28 @@ PATCHES = {
     # dK and dV computed and staged but not stored (their stores predicated off; timing only): what the writes cost
     "no-dkv-store": [("                 k_rows.load(out), mask=ok)\n", "                 k_rows.load(out), mask=ok & (p.N_CTX_KV < 0))\n"),
                      ("                 v_rows.load(out), mask=ok)\n", "                 v_rows.load(out), mask=ok & (p.N_CTX_KV < 0))\n")],
+    # dK, dV stored from the accumulators' registers (32-bit stores of value pairs across 8 rows), as
+    # before they went through K's and V's buffers (7436af1)
+    "dkv-regs": [("""        mbarrier.arrive(p.kv_done.index(0), count=1)
+        mbarrier.wait(p.kv_done.index(0), 0)
+        k_rows.store((dk * p.sm_scale).to(p.q_desc.dtype))
+        v_rows.store(dv.to(p.q_desc.dtype))
+        out: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+        rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out)), 1)
+        cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out)), 0)
+        ok = rows < p.N_CTX_KV
+        gl.store(DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows * stride_dkn + cols * stride_dkd,
+                 k_rows.load(out), mask=ok)
+        gl.store(DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows * stride_dvn + cols * stride_dvd,
+                 v_rows.load(out), mask=ok)
+""", """        rows = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)), 1)
+        cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
+        ok = rows < p.N_CTX_KV
+        gl.store(DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows * stride_dkn + cols * stride_dkd,
+                 (dk * p.sm_scale).to(DK.dtype.element_ty), mask=ok)
+        gl.store(DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows * stride_dvn + cols * stride_dvd,
+                 dv.to(DV.dtype.element_ty), mask=ok)
+""")],
     # GQA's float32 sums (a program per query head): dK, then dV staged as float32 rows in this warp group's
     # buffer (K's for warp group 0, V's for 1; 32 KB each) once both are done with K and V, then added 16
     # bytes at a time (red.global.add.v4.f32) instead of a float at a time from the accumulators' registers

@@ -7,10 +7,11 @@ largest error of each output against the Triton tier's.
         [--peer fa4] [--rep MS] [--rounds R] [--dtype float16]
 
 The kernel is what the plan renders for the variant (three consumer warp groups where
-plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md).
+plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md), and
+the plan patches of probe_common.py apply (`wide` / `narrow`: three / two consumer warp groups at
+head dim 64).
 """
 import argparse
-import dataclasses
 import os
 import sys
 import tempfile
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwd_patches import OPTIONAL, PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, peer_fn, plan_edits, print_table, time_cell  # noqa: E402
+from probe_common import apply, build_plan, peer_fn, print_table, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 def main():
@@ -37,7 +38,7 @@ def main():
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
     import attncc
-    from attncc import codegen, plan, runtime
+    from attncc import codegen, runtime
     from attncc.spec import Spec
     folder, rows = tempfile.mkdtemp(), []
     patches = args.patches.split(",")
@@ -47,8 +48,7 @@ def main():
         for name in args.only.split(","):
             case = cases[name]
             variant = attncc.Variant(case.score_mod, case.mask_mod)
-            fwd_plan = plan.build("fwd", variant.analysis, Spec(args.dtype, D, D, case.gqa, "cuda-sm90", tier="gluon"),
-                                  variant.captures)
+            spec = Spec(args.dtype, D, D, case.gqa, "cuda-sm90", tier="gluon")
             g = torch.Generator(device="cuda").manual_seed(0)
             dtype = getattr(torch, args.dtype)
             q = torch.randn(B, H, N, D, generator=g, device="cuda", dtype=dtype)
@@ -59,7 +59,7 @@ def main():
             fns = {"triton": lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)}
             errors = {}
             for patch in patches:
-                text = codegen.render(dataclasses.replace(fwd_plan, **plan_edits(patch)))
+                text = codegen.render(build_plan("fwd", variant, spec, patch))
                 # the render may have set the flag, and rounds P one way or the other (plan.probs_in_pairs)
                 src = apply(text, patch, PATCHES, optional=OPTIONAL)
                 path = Path(folder) / f"fwd_{name}_{patch}_d{D}_g{case.gqa}_{N}.py"

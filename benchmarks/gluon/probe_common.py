@@ -1,5 +1,8 @@
 """What gluon_fwd_probe.py and gluon_bwd_probe.py share: applying a patch table's text edits to a
-rendered kernel, timing a cell's kernels in turn, and the closing table."""
+rendered kernel, building a plan with plan patches, timing a cell's kernels in turn, and the
+closing table."""
+import dataclasses
+
 import torch
 
 
@@ -15,12 +18,31 @@ PLAN_PATCHES = {
     "mask-kv": {"lane_compares": False},
     # ... and relative to the thread's first key with two warp groups too (measured slower at 16k)
     "mask-lane": {"lane_compares": True},
+    # the forward's plan built with three / two consumer warp groups at head dim 64 (gluon_fwd_probe.py)
+    "wide": {},
+    "narrow": {},
 }
 
 
 def plan_edits(patch):
     """The plan fields `patch` replaces before rendering."""
     return {k: v for part in patch.split("+") for k, v in PLAN_PATCHES.get(part, {}).items()}
+
+
+def build_plan(kind, variant, spec, patch=""):
+    """plan.build's KernelPlan with the plan patches in `patch`: `wide` / `narrow` build it with three
+    / two consumer warp groups at head dim 64 whatever plan.wide_forward says, the others replace fields."""
+    from unittest import mock
+
+    from attncc import plan
+    parts = patch.split("+")
+    if {"wide", "narrow"} & set(parts):
+        wide = "wide" in parts
+        with mock.patch.object(plan, "wide_forward", lambda facts, mask_class, d: wide and d == 64):
+            built = plan.build(kind, variant.analysis, spec, variant.captures)
+    else:
+        built = plan.build(kind, variant.analysis, spec, variant.captures)
+    return dataclasses.replace(built, **plan_edits(patch))
 
 
 def apply(text, patch, table, optional=()):

@@ -3,11 +3,12 @@ usage (registers, stack) and the instruction counts of each loop of its SASS, th
 notes quote (masked / unmasked key steps, spills inside loops).
 
     ATTNCC_TRITON_36=DIR python benchmarks/gluon/sass.py fwd causal 128 [--group 4] [--dtype float16]
-        [--cp] [--sass FILE] [--patch NAME]
+        [--cp] [--sass FILE] [--patch NAME] [--templates DIR]
 
 KIND is fwd or bwd; NAME one of tests/variants.py's variants (causal, document, alibi, ...) or
 test_gluon_tier's extra ones (trig, row_biases); --cp renders the chunk kernels (Q_OFF, KV_OFF);
---patch applies a probe patch (bwd_patches.py / fwd_patches.py, names joined by +) before compiling.
+--patch applies a probe patch (bwd_patches.py / fwd_patches.py, or a plan patch of probe_common.py;
+names joined by +) before compiling.
 The compile is tests/test_gluon_tier.py's (the CI test), run with the Triton in ATTNCC_TRITON_36
 (the GPU machines' 3.6; without it, this environment's). A loop is the span from a label to a
 branch back to it (not the retry blocks of mbarrier waits), so nested loops are listed inside
@@ -73,8 +74,9 @@ def main():
     p.add_argument("--split", action="store_true", help="bwd, GQA: a program per query head (float32 dK, dV sums)")
     p.add_argument("--sass", help="also write the SASS here")
     p.add_argument("--patch", default="", help="a probe patch of the rendered source (timing probes' tables)")
+    p.add_argument("--templates", help="render from this templates/ folder (another commit's: git archive)")
     args = p.parse_args()
-    from attncc import codegen, plan, runtime
+    from attncc import codegen, runtime
     from attncc.spec import Spec
     runtime._triton(for_cpu=True)
     from test_gluon_tier import COMPILE, _variant
@@ -83,12 +85,18 @@ def main():
     kind = args.kind + ("-cp" if args.cp else "-split" if args.split else "")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.kind}_{args.name}.py"
-        source = codegen.render(plan.build(args.kind, variant.analysis, spec, variant.captures))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from probe_common import apply, build_plan
+        kernel_plan = build_plan(args.kind, variant, spec, args.patch)
+        if args.templates:  # another checkout's templates, as the probes' @DIR
+            import jinja2
+            env = jinja2.Environment(loader=jinja2.FileSystemLoader(args.templates), undefined=jinja2.StrictUndefined,
+                                     keep_trailing_newline=True, autoescape=False)
+            source = env.get_template(codegen.GLUON_TEMPLATES[args.kind]).render(plan=kernel_plan)
+        else:
+            source = codegen.render(kernel_plan)
         if args.patch:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from probe_common import apply
-            table = __import__(f"{args.kind}_patches").PATCHES
-            source = apply(source, args.patch, table)
+            source = apply(source, args.patch, __import__(f"{args.kind}_patches").PATCHES)
         path.write_text(source)
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNCC_INTERPRET")}
         env["TRITON_CACHE_DIR"] = str(Path(tmp) / "cache")
