@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bwd_patches import PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, peer_fn, plan_edits, print_table, time_cell  # noqa: E402
+from probe_common import apply, peer_fn, plan_edits, print_table, render_from, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 
@@ -33,12 +33,7 @@ def render(case, D, group, edits=None, templates=None):
     variant = attncc.Variant(case.score_mod, case.mask_mod)
     spec = Spec("bfloat16", D, D, group, "cuda-sm90", tier="gluon")
     kernel_plan = dataclasses.replace(plan.build("bwd", variant.analysis, spec, variant.captures), **(edits or {}))
-    if templates:  # another checkout's templates (a patch @DIR)
-        import jinja2
-        env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates), undefined=jinja2.StrictUndefined,
-                                 keep_trailing_newline=True, autoescape=False)
-        return variant, env.get_template(codegen.GLUON_TEMPLATES["bwd"]).render(plan=kernel_plan)
-    return variant, codegen.render(kernel_plan)
+    return variant, render_from(templates, kernel_plan) if templates else codegen.render(kernel_plan)
 
 
 def load(text, name, folder):

@@ -3,16 +3,18 @@ variant, apply text patches of its launcher's knobs, and time each patched kerne
 unpatched one and the Triton tier's forward in one process (do_bench medians, bf16 or --dtype), with the
 largest error of each output against the Triton tier's.
 
-    python benchmarks/gluon/gluon_fwd_probe.py [--shapes BxHxNxD,...] [--only full,causal] [--patches base,rescale-early]
+    python benchmarks/gluon/gluon_fwd_probe.py [--shapes BxHxNxD,...] [--only full,causal] [--patches base,rescale-early,@DIR]
         [--peer fa4] [--rep MS] [--rounds R] [--dtype float16]
 
 The kernel is what the plan renders for the variant (three consumer warp groups where
 plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md), and
 the plan patches of probe_common.py apply (`wide` / `narrow`: three / two consumer warp groups at
-head dim 64).
+head dim 64), and a patch @DIR renders the kernel from another templates/ folder (as in
+gluon_bwd_probe.py).
 """
 import argparse
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwd_patches import OPTIONAL, PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, build_plan, peer_fn, print_table, time_cell  # noqa: E402
+from probe_common import apply, build_plan, peer_fn, print_table, render_from, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 def main():
@@ -59,10 +61,14 @@ def main():
             fns = {"triton": lambda: kernel(q, k, v, enable_gqa=case.gqa > 1)}
             errors = {}
             for patch in patches:
-                text = codegen.render(build_plan("fwd", variant, spec, patch))
-                # the render may have set the flag, and rounds P one way or the other (plan.probs_in_pairs)
-                src = apply(text, patch, PATCHES, optional=OPTIONAL)
-                path = Path(folder) / f"fwd_{name}_{patch}_d{D}_g{case.gqa}_{N}.py"
+                if patch.startswith("@"):  # another checkout's templates
+                    src = render_from(patch[1:], build_plan("fwd", variant, spec))
+                else:
+                    text = codegen.render(build_plan("fwd", variant, spec, patch))
+                    # the render may have set the flag, and rounds P one way or the other (plan.probs_in_pairs)
+                    src = apply(text, patch, PATCHES, optional=OPTIONAL)
+                tag = re.sub(r"\W", "_", patch)  # a module name per source
+                path = Path(folder) / f"fwd_{name}_{tag}_d{D}_g{case.gqa}_{N}.py"
                 path.write_text(src)
                 module = runtime.load(path, False, src)
                 out = torch.full_like(q, float("nan"))

@@ -29,6 +29,17 @@ def plan_edits(patch):
     return {k: v for part in patch.split("+") for k, v in PLAN_PATCHES.get(part, {}).items()}
 
 
+def render_from(templates, kernel_plan):
+    """The Gluon kernel of `kernel_plan` rendered from another templates/ folder (a probe's patch
+    @DIR, sass.py --templates: an earlier commit's, `git archive COMMIT templates | tar -x -C DIR`)."""
+    import jinja2
+
+    from attncc import codegen
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    return env.get_template(codegen.GLUON_TEMPLATES[kernel_plan.kernel]).render(plan=kernel_plan)
+
+
 def build_plan(kind, variant, spec, patch=""):
     """plan.build's KernelPlan with the plan patches in `patch`: `wide` / `narrow` build it with three
     / two consumer warp groups at head dim 64 whatever plan.wide_forward says, the others replace fields."""

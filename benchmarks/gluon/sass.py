@@ -86,15 +86,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.kind}_{args.name}.py"
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from probe_common import apply, build_plan
+        from probe_common import apply, build_plan, render_from
         kernel_plan = build_plan(args.kind, variant, spec, args.patch)
-        if args.templates:  # another checkout's templates, as the probes' @DIR
-            import jinja2
-            env = jinja2.Environment(loader=jinja2.FileSystemLoader(args.templates), undefined=jinja2.StrictUndefined,
-                                     keep_trailing_newline=True, autoescape=False)
-            source = env.get_template(codegen.GLUON_TEMPLATES[args.kind]).render(plan=kernel_plan)
-        else:
-            source = codegen.render(kernel_plan)
+        source = render_from(args.templates, kernel_plan) if args.templates else codegen.render(kernel_plan)
         if args.patch:
             source = apply(source, args.patch, __import__(f"{args.kind}_patches").PATCHES)
         path.write_text(source)
