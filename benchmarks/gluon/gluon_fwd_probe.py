@@ -7,10 +7,9 @@ largest error of each output against the Triton tier's.
         [--peer fa4] [--rep MS] [--rounds R] [--dtype float16]
 
 The kernel is what the plan renders for the variant (three consumer warp groups where
-plan.wide_forward grants them); the patches are fwd_patches.py's (benchmarks/gluon/NOTES.md), and
-the plan patches of probe_common.py apply (`wide` / `narrow`: three / two consumer warp groups at
-head dim 64), and a patch @DIR renders the kernel from another templates/ folder (as in
-gluon_bwd_probe.py).
+plan.wide_forward grants them). Patches: fwd_patches.py's text edits (benchmarks/gluon/NOTES.md),
+probe_common.py's plan patches (`wide` / `narrow`: three / two consumer warp groups at head dim
+64), and @DIR, the kernel rendered from another templates/ folder (as in gluon_bwd_probe.py).
 """
 import argparse
 import os
