@@ -43,8 +43,8 @@ GLUON_PAYS_UNMASKED = {64: 2048}
 # 0.454 / 0.522, 2x32x8192 1.602 / 1.718, 4x32x4096 0.827 / 0.849, 1x32x16384 3.142 / 3.105; softcap
 # 0.274 / 0.385, 0.485 / 0.532, 1.831 / 1.848, 0.913 / 0.925, 3.553 / 3.382
 GLUON_PAYS_SCORED = {128: 2048, 64: 16384}
-# ... and where the score_mod reads captured tensors (a table gathered per score), head dim -> the
-# shortest length (same runs, relative bias causal): 16x32x1024x64 0.775 / 0.432, 8x32x2048 1.284 /
+# ... and where the score_mod loads a captured tensor at an index of both q_idx and kv_idx (a table
+# gathered per score), head dim -> the shortest length (same runs, relative bias causal): 16x32x1024x64 0.775 / 0.432, 8x32x2048 1.284 /
 # 0.571, 4x32x4096 2.307 / 0.980, 2x32x8192 4.287 / 2.014, 1x32x16384 8.150 / 3.686
 GLUON_PAYS_GATHERED = {64: 1024}
 # ... and where the mask bands the keys (a sliding window: two consumer warp groups; three measured
@@ -154,22 +154,19 @@ def _row_products(variant) -> bool:
 
 
 def _gathers_by_position(variant) -> bool:
-    """Whether the score_mod loads a captured tensor at an index that reads q_idx or kv_idx (a
-    relative-position table: a gather per score; ALiBi's slopes, read per head, are not)."""
+    """Whether the score_mod loads a captured tensor at an index that reads both q_idx and kv_idx (a
+    relative-position table: a gather per score; ALiBi's slopes, read per head, and tables read per
+    query or per key are not)."""
+    return _indexed_by_both_positions(variant, variant.analysis.facts.captures_in_score)
+
+
+def _indexed_by_both_positions(variant, captures) -> bool:
+    """Whether the score_mod loads one of the captured tensors numbered ``captures`` at an index
+    that reads both q_idx and kv_idx."""
     from .passes import derive
     from .passes.symbolic import KV, Q
     score = variant.analysis.score
-    if score is None:
-        return False
-    sites = [site for c in variant.analysis.facts.captures_in_score for site in derive.load_sites(score, c)]
-    return any({Q, KV} & set().union(*(i.free_symbols for i in site.args)) for site in sites if site.args)
-
-
-def _indexed_by_both_positions(variant, learnable) -> bool:
-    from .passes import derive
-    from .passes.symbolic import KV, Q
-    score = variant.analysis.score
-    sites = [site for c in learnable for site in derive.load_sites(score, c)] if score is not None else []
+    sites = [site for c in captures for site in derive.load_sites(score, c)] if score is not None else []
     return any({Q, KV} <= set().union(*(i.free_symbols for i in site.args)) for site in sites if site.args)
 
 

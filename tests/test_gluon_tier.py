@@ -105,11 +105,14 @@ def test_tier_choice(monkeypatch):
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, length=17)[0] == "gluon"
     # ... and with two warp groups at head dim 64: a score_mod from 16384, one that gathers a table
     # by position from 1024 (ALiBi's slopes are read per head: not a gather), a banded mask from 1024
-    for name, shortest in (("alibi", 16384), ("softcap", 16384), ("rel_bias", 1024), ("sliding_window", 1024)):
-        tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=shortest)
-        assert tier == "gluon" and "two consumer warp groups" in reason, (name, reason)
-        tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 64, 64, False, length=shortest - 1)
-        assert tier == "triton" and f"(< {shortest})" in reason, (name, reason)
+    key_bias = torch.randn(4096)  # read per key: not a gather per score
+    per_key = attncc.Variant(lambda s, b, h, q_idx, kv_idx: s + key_bias[kv_idx], BUILDERS["causal"](2, 4, 8, 8, "cpu")[1])
+    for variant, shortest in ((_variant("alibi"), 16384), (_variant("softcap"), 16384), (per_key, 16384),
+                              (_variant("rel_bias"), 1024), (_variant("sliding_window"), 1024)):
+        tier, reason = tiers.choose(variant, "cuda-sm90", "bfloat16", 64, 64, False, length=shortest)
+        assert tier == "gluon" and "two consumer warp groups" in reason, (variant, reason)
+        tier, reason = tiers.choose(variant, "cuda-sm90", "bfloat16", 64, 64, False, length=shortest - 1)
+        assert tier == "triton" and f"(< {shortest})" in reason, (variant, reason)
     q = torch.zeros(1, 2, 8, 256, dtype=torch.bfloat16)[..., ::2]  # head-dim stride 2: no TMA box
     tier, reason = tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, (q, q, q))
     assert tier == "triton" and "TMA" in reason
