@@ -44,8 +44,9 @@ GLUON_PAYS_UNMASKED = {64: 2048}
 # 0.274 / 0.385, 0.485 / 0.532, 1.831 / 1.848, 0.913 / 0.925, 3.553 / 3.382
 GLUON_PAYS_SCORED = {128: 2048, 64: 16384}
 # ... and where the score_mod loads a captured tensor at an index of both q_idx and kv_idx (a table
-# gathered per score), head dim -> the shortest length (same runs, relative bias causal): 16x32x1024x64 0.775 / 0.432, 8x32x2048 1.284 /
-# 0.571, 4x32x4096 2.307 / 0.980, 2x32x8192 4.287 / 2.014, 1x32x16384 8.150 / 3.686
+# gathered per score), head dim -> the shortest length (same runs, relative bias causal):
+# 16x32x1024x64 0.775 / 0.432, 8x32x2048 1.284 / 0.571, 4x32x4096 2.307 / 0.980, 2x32x8192 4.287 /
+# 2.014, 1x32x16384 8.150 / 3.686
 GLUON_PAYS_GATHERED = {64: 1024}
 # ... and where the mask bands the keys (a sliding window: two consumer warp groups; three measured
 # 1.2-1.8x slower), head dim -> the shortest length (H200, 2026-11-29, gluon_fwd_probe.py in turn,
