@@ -242,8 +242,10 @@ class KernelPlan:
     # (792 -> 627 at 128), no stack. H200, in turn (gluon_fwd_probe.py, 2026-11-28), ms lane / kv
     # compares: head dim 64 causal 4x32x4096 0.700 / 0.708, prefix-LM 0.712 / 0.735; at head dim 128
     # equal at 4k and 0.8-1.3 % slower at 16k (causal 1.798 / 1.783, prefix-LM 1.839 / 1.815, five
-    # rounds), so two warp groups keep kv compares. The backward's step in this form spilled (head
-    # dim 64 causal: 168 bytes of stack, 892 instructions against 883)
+    # rounds), so two warp groups keep kv compares, except for bands (sliding window, whose masked
+    # steps are most of its steps): 16x16x1024 0.166 / 0.166, 4x16x4096 0.268 / 0.273 (in turn,
+    # 2026-11-29; 0.271 -> 0.268 and 16k 0.285 -> 0.281 a day earlier). The backward's step in this
+    # form spilled (head dim 64 causal: 168 bytes of stack, 892 instructions against 883)
     lane_compares: bool = False
     # Gluon forward, two consumer warp groups: each thread's part of the row max as a tree over the
     # key columns it holds (Triton reduces them as one chain of 31 dependent FMNMX at head dim 128,
@@ -484,7 +486,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         row_keep=_row_keep(keep, *((Q, KV) if kernel == "fwd" else (KV, Q)), tp) if gluon and keep is not None else None,
         offsets=gluon and spec.offsets, probs_in_pairs=probs_in_pairs, row_max_tree=row_max_tree,
         pack_gqa=spec.group if packs else 1,
-        lane_compares=three, dscore_late=of_value is not None,
+        lane_compares=three or (kernel == "fwd" and gluon and mask_class == "banded" and spec.head_dim == 128),
+        dscore_late=of_value is not None,
         band=_band(keep) if kernel == "fwd" and gluon and keep is not None else 0)
 
 

@@ -195,6 +195,20 @@ def _check_schedule(module, kind, mask_mod, Lq, Lkv, q_off, kv_off, h, offsets, 
                                f"({visits}, {n_masked})")
 
 
+def test_gluon_forward_compares_bands_relative_to_the_thread():
+    """plan.lane_compares: two warp groups (head dim 128) compare a band's masked steps relative to
+    the thread's first key and a causal mask's as kv_idx; the backward never takes lane compares."""
+    def build(name, kernel="fwd"):
+        variant = _variant(name)
+        return plan.build(kernel, variant.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"),
+                          variant.captures)
+    band, causal = build("sliding_window"), build("causal")
+    assert band.band and band.lane_compares and not causal.lane_compares
+    assert not build("sliding_window", "bwd").lane_compares
+    assert "relative to the thread's first key" in codegen.render(band)
+    assert "relative to the thread's first key" not in codegen.render(causal)
+
+
 @pytest.mark.parametrize("pack", [1, 4])
 def test_gluon_forward_tile_order_takes_every_tile_once(pack, tmp_path):
     """The forward's program tiles (_tile) in sections of (batch, head) pairs: every (b, h, Q tile)
