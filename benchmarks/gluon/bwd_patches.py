@@ -249,3 +249,34 @@ PATCHES["rows-async"] = [
      "from triton.experimental.gluon.nvidia.hopper import TensorDescriptor\n"
      "from triton.experimental.gluon.language.nvidia.ampere import async_copy\n"),
 ]
+
+# the unmasked steps two a loop turn with the ring slot a constexpr (0, then 1; STAGES 2): Q's, dO's, the row
+# statistics' and dS^T's buffers at offsets known when compiled, so the products' descriptors need no
+# vector arithmetic and R2UR (ncu, full 4x16x4096x128: 45 R2UR a step); an odd first step before the
+# pairs and an odd last one after them. Compiled (sm90, triton 3.6, full at head dim 128): stack 96 -> 504 bytes,
+# 1189 instructions a pair of steps with 74 LDL (457 a step, 2 LDL, before): the constant descriptors are
+# hoisted out of the loop into registers, which the step needs. Not timed
+_UNMASKED = """    for j in range(n_masked * HEADS, n_blocks * HEADS):  # query tiles the K/V tile keeps in full: no mask code
+        m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, j, m0, b, h0 + j % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, False)
+"""
+_PAIR_STEP = """        m0 = _q_block({j} // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
+        dk, dv = _step(p, WG, {j}, m0, b, h0 + {j} % HEADS, dk, dv, kv_idx, k_rows, v_rows,
+                       s_layout, op_layout, dq_layout, False, {slot})
+"""
+PATCHES["pair-slots"] = [
+    ("dq_layout: gl.constexpr, MASKED: gl.constexpr):", "dq_layout: gl.constexpr, MASKED: gl.constexpr, SLOT: gl.constexpr = -1):"),
+    ("    slot = j % p.STAGES\n    phase = (j // p.STAGES) & 1\n",
+     "    if SLOT >= 0:\n        slot: gl.constexpr = SLOT\n    else:\n        slot = j % p.STAGES\n    phase = (j // p.STAGES) & 1\n"),
+    ("    ds_smem = p.ds_smem.index(j % 2)\n", "    ds_smem = p.ds_smem.index(slot)\n"),
+    ("""    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
+    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
+""", """    mbarrier.arrive(p.ds_ready.index(slot), count=1)
+    mbarrier.wait(p.ds_ready.index(slot), (j // 2) & 1)
+"""),
+    (_UNMASKED, "    j0 = n_masked * HEADS\n    j1 = n_blocks * HEADS\n    if (j0 % 2 == 1) & (j0 < j1):\n"
+     + _PAIR_STEP.format(j="j0", slot=1) + "        j0 += 1\n    for j in range(j0, j1 - 1, 2):\n"
+     + _PAIR_STEP.format(j="j", slot=0) + _PAIR_STEP.format(j="(j + 1)", slot=1)
+     + "    if (j1 - j0) % 2 == 1:\n" + _PAIR_STEP.format(j="(j1 - 1)", slot=0)),
+]
