@@ -280,3 +280,17 @@ PATCHES["pair-slots"] = [
      + _PAIR_STEP.format(j="j", slot=0) + _PAIR_STEP.format(j="(j + 1)", slot=1)
      + "    if (j1 - j0) % 2 == 1:\n" + _PAIR_STEP.format(j="(j1 - 1)", slot=0)),
 ]
+
+# S^T = K Q^T with K from registers (an RS product, loaded once a program), dP^T = V dO^T likewise with
+# `kv-regs`: 16 KB of shared-memory reads a step and warp group fewer each (at head dim 128 the step moves
+# about 368 KB, benchmarks/gluon/NOTES.md), for 32 registers each at head dim 128 (16 at 64). H200, three
+# rounds in turn, ms base / k-regs / kv-regs: full 4x16x4096x128 2.621 / 3.073 / 3.835, causal 1.407 / 1.674 /
+# 2.040, full 1x16x16384x128 9.992 / 11.543 / 14.707; head dim 64 full 4x32x4096 2.979 / 5.438 / 3.369, causal
+# 1.614 / 1.803 / 1.807 (SASS: unmasked step 457 -> 488 / 489 instructions at 128, 2 -> 10 / 28 LDL)
+_K_OP = "    k_op = k_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))\n"
+_V_OP = "    v_op = v_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))\n"
+_KV_WAIT = "    mbarrier.wait(p.kv_ready.index(0), 0)\n    for j in range(0, n_masked * HEADS):"
+PATCHES["k-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + "    for j")),
+                     ("% HEADS, dk, dv, kv_idx, k_rows, v_rows,", "% HEADS, dk, dv, kv_idx, k_op, v_rows,")]
+PATCHES["kv-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + _V_OP + "    for j")),
+                      ("% HEADS, dk, dv, kv_idx, k_rows, v_rows,", "% HEADS, dk, dv, kv_idx, k_op, v_op,")]
