@@ -290,7 +290,8 @@ PATCHES["pair-slots"] = [
 _K_OP = "    k_op = k_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))\n"
 _V_OP = "    v_op = v_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))\n"
 _KV_WAIT = "    mbarrier.wait(p.kv_ready.index(0), 0)\n    for j in range(0, n_masked * HEADS):"
-PATCHES["k-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + "    for j")),
-                     ("% HEADS, dk, dv, kv_idx, k_rows, v_rows,", "% HEADS, dk, dv, kv_idx, k_op, v_rows,")]
-PATCHES["kv-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + _V_OP + "    for j")),
-                      ("% HEADS, dk, dv, kv_idx, k_rows, v_rows,", "% HEADS, dk, dv, kv_idx, k_op, v_op,")]
+_CALL = "% HEADS, dk, dv, kv_idx, k_rows, v_rows,\n                       s_layout, op_layout, dq_layout, {})"
+PATCHES["k-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + "    for j"))] + [
+    (_CALL.format(m), _CALL.format(m).replace("k_rows", "k_op")) for m in ("True", "False")]
+PATCHES["kv-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + _V_OP + "    for j"))] + [
+    (_CALL.format(m), _CALL.format(m).replace("k_rows, v_rows", "k_op, v_op")) for m in ("True", "False")]
