@@ -304,7 +304,9 @@ if kind.startswith("fwd"):
     block_m, block_n, _, stages = module.LAUNCH_TILES["attn_fwd"]
     pack = module.PACK  # query heads packed into a tile's rows (GQA)
     args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
-            module._descriptor(out, block_m, pack), rows, *caps, *lists, torch.zeros(1, dtype=torch.int32), H,
+            module._descriptor(out, block_m, pack), rows, *caps, *lists,
+            *([torch.zeros(64, dtype=torch.int32)] if module.BLOCK_SPARSE else []),  # the tiles' order (_longest_first)
+            torch.zeros(1, dtype=torch.int32), H,
             B * H // pack, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4
     dynamic = not module.PERSISTENT  # tiles of unequal work: the tile counter's code (static for the others)
     compiled = compile_for_sm90(module.attn_fwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
@@ -453,16 +455,22 @@ def test_gluon_dq_accumulator_order(d, lq, name, tmp_path):
     assert torch.equal(dq, want)
 
 
-def _assert_patches_apply(table, kernel, head_dims, optional=(), names=lambda patch: True):
-    """Each old text of benchmarks/gluon/<table>.py (of the patches `names` takes) occurs exactly once
-    in the rendered full and causal Gluon kernels at these head dims; texts starting with one of
-    `optional` or of the table's OPTIONAL (switches whose other side some of these kernels render)
-    at most once, and once in at least one of them."""
+def _patch_table(table):
+    """benchmarks/gluon/<table>.py, a probe's patches (not a package: loaded from its path)."""
     import importlib.util
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon" / f"{table}.py"
     spec = importlib.util.spec_from_file_location(table, path)
     patches = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(patches)
+    return patches
+
+
+def _assert_patches_apply(table, kernel, head_dims, optional=(), names=lambda patch: True):
+    """Each old text of benchmarks/gluon/<table>.py (of the patches `names` takes) occurs exactly once
+    in the rendered full and causal Gluon kernels at these head dims; texts starting with one of
+    `optional` or of the table's OPTIONAL (switches whose other side some of these kernels render)
+    at most once, and once in at least one of them."""
+    patches = _patch_table(table)
     optional = tuple(optional) + getattr(patches, "OPTIONAL", ())  # the table's own list of such texts
     applied = set()
     for name in ("full", "causal"):
@@ -510,5 +518,12 @@ def test_probe_plan_patches_set_the_warp_groups():
 def test_forward_probe_patches_still_apply():
     """The same for gluon_fwd_probe.py's patches of the rendered Gluon forward, at both widths (two
     consumer warp groups at head dim 128, three at 64); the texts of fwd_patches.OPTIONAL (the
-    persistence flag, P's rounding either way, the third consumer) need only occur in some kernels."""
-    _assert_patches_apply("fwd_patches", "fwd", (128, 64))
+    persistence flag, P's rounding either way, the third consumer) need only occur in some kernels;
+    those of fwd_patches.SPARSE (a data-dependent mask's launcher) once in a document mask's kernel."""
+    fwd_patches = _patch_table("fwd_patches")
+    _assert_patches_apply("fwd_patches", "fwd", (128, 64), names=lambda patch: patch not in fwd_patches.SPARSE)
+    document = _variant("document")
+    source = codegen.render(plan.build("fwd", document.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"),
+                                       document.captures))
+    for patch in fwd_patches.SPARSE:
+        assert all(source.count(old) == 1 for old, _ in fwd_patches.PATCHES[patch]), patch

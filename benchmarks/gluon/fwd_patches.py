@@ -226,3 +226,18 @@ PATCHES["drawn"] = [("\nDYNAMIC_KV = 4096\n", "\nDYNAMIC_KV = 1 << 31\n")]
 # program: docs/performance-notes.md, 2026-11-28, eighth session)
 PATCHES["no-lse-store"] = [("lse, mask=rows < p.N_CTX_Q)\n", "lse, mask=rows < 0)\n")]
 PATCHES["no-o-store"] = [("        _tma_store(p.o_desc, ", "        pass  # _tma_store(p.o_desc, ")]
+
+SPARSE = ("index-order", )  # patches of a data-dependent mask's kernel (block-sparse: tile lists)
+# a data-dependent mask's tiles in index order (sections of heads, the last Q tile first: the order of the
+# other masks, and of these before _longest_first) instead of by their key tiles, longest first
+PATCHES["index-order"] = [
+    ("_ORDERS: dict = {}", '''def _index_order(pairs, n_m, section, device):
+    t = torch.arange(pairs * n_m, device=device)
+    sec, r = t // (section * n_m), t % (section * n_m)
+    size = torch.clamp(pairs - sec * section, max=section)
+    return ((sec * section + r % size) * n_m + n_m - 1 - r // size).to(torch.int32)
+
+
+_ORDERS: dict = {}'''),
+    ('_longest_first(blocks["attn_fwd"], B * H // PACK)', '_index_order(B * H // PACK, blocks["attn_fwd"][4], section, q.device)'),
+]

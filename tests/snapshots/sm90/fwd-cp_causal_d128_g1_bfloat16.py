@@ -240,9 +240,9 @@ def _tile(p: Pipeline, t):
     size = gl.minimum(p.n_tiles // p.n_m - t // sec_tiles * p.section, p.section)  # the last section may hold fewer
     r = t % sec_tiles
     bh = t // sec_tiles * p.section + r % size
+    m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M // p.PACK)
     b = bh // (p.H // p.PACK)
     h = bh % (p.H // p.PACK) * p.PACK
-    m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M // p.PACK)
     hi, full_lo, full_hi, n_hi, n_masked, n_blocks = _block_range(b, h, p.Q_OFF + m0, p.WGS * p.BLOCK_M // p.PACK, p.N_CTX_KV,
                                                                   p.BLOCK_N, p.KV_OFF)
     return b, h, m0, hi, full_lo, full_hi, n_hi, n_masked, n_blocks

@@ -150,6 +150,7 @@ class Pipeline:
     cls_full_idx: gl.tensor
     CLS_OUTER: gl.tensor
     CLS_INNER: gl.tensor
+    cls_order: gl.tensor  # the program tiles (bh * n_m + Q tile), longest first (_tile)
     sm_scale: gl.tensor
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -163,7 +164,7 @@ class Pipeline:
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                  k_ready, k_empty, v_ready, v_empty, sched, tile_ctr, tile_smem, tile_ready, tile_empty, H, N_CTX_Q,
-                 N_CTX_KV, n_m, n_tiles, section, cls_partial_cnt, cls_partial_idx, cls_full_cnt, cls_full_idx, CLS_OUTER, CLS_INNER, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, WGS,
+                 N_CTX_KV, n_m, n_tiles, section, cls_partial_cnt, cls_partial_idx, cls_full_cnt, cls_full_idx, CLS_OUTER, CLS_INNER, cls_order, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, WGS,
                  PACK, DYNAMIC):
         self.q_desc = q_desc
         self.k_desc = k_desc
@@ -197,6 +198,7 @@ class Pipeline:
         self.cls_full_idx = cls_full_idx
         self.CLS_OUTER = CLS_OUTER
         self.CLS_INNER = CLS_INNER
+        self.cls_order = cls_order
         self.sm_scale = sm_scale
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -216,18 +218,14 @@ def _block(it, partial, full, n_masked):
 
 @gluon.jit
 def _tile(p: Pipeline, t):
-    """Program tile t -> (b, first query head h, first query position, key-tile schedule). The
-    (batch, head) pairs (heads: packs of PACK query heads) run in sections of p.section, Q tile
-    major inside a section from the last Q tile (the longest under causal-like masks), so the
-    longest tiles of several heads start first (FA3/FA4's order; the launcher sizes a section by
-    what of K and V fits in L2). A section of 1: head after head."""
-    sec_tiles = p.section * p.n_m
-    size = gl.minimum(p.n_tiles // p.n_m - t // sec_tiles * p.section, p.section)  # the last section may hold fewer
-    r = t % sec_tiles
-    bh = t // sec_tiles * p.section + r % size
+    """Program tile t -> (b, first query head h, first query position, key-tile schedule): the
+    (batch, head) pair and Q tile cls_order lists t-th, the tiles by their number of key tiles,
+    the longest first (the launcher's _longest_first), so that the grid ends with short tiles."""
+    bm = gl.load(p.cls_order + t)  # bh * n_m + the Q tile
+    bh = bm // p.n_m
+    m0 = bm % p.n_m * (p.WGS * p.BLOCK_M // p.PACK)
     b = bh // (p.H // p.PACK)
     h = bh % (p.H // p.PACK) * p.PACK
-    m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M // p.PACK)
     # the key tiles of a data-dependent mask, listed per Q tile by its block_classes kernel (attncc.blocks):
     # the partial ones run with the mask, the full ones without it, the empty ones not at all
     row = m0 // (p.WGS * p.BLOCK_M)  # the class table's row (one table for all heads)
@@ -489,6 +487,7 @@ def attn_fwd(
     cap0_ptr, cap0_size0, cap0_stride0,  # `doc_q` int tensor, 1-d, read by mask_mod
     cap1_ptr, cap1_size0, cap1_stride0,  # `doc_kv` int tensor, 1-d, read by mask_mod
     ClsPartialCnt, ClsPartialIdx, ClsFullCnt, ClsFullIdx, CLS_OUTER, CLS_INNER,  # the mask's tile lists (attncc.blocks)
+    ClsOrder,  # the program tiles, longest first (_longest_first)
     TILE_CTR, H, BH, N_CTX_Q, N_CTX_KV, SECTION, sm_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
     WGS: gl.constexpr, PACK: gl.constexpr, DYNAMIC: gl.constexpr,
@@ -527,7 +526,7 @@ def attn_fwd(
                  gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout),
                  q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched, TILE_CTR,
                  gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])), tile_ready, tile_empty,
-                 H, N_CTX_Q, N_CTX_KV, n_m, n_tiles, SECTION, ClsPartialCnt, ClsPartialIdx, ClsFullCnt, ClsFullIdx, CLS_OUTER, CLS_INNER, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                 H, N_CTX_Q, N_CTX_KV, n_m, n_tiles, SECTION, ClsPartialCnt, ClsPartialIdx, ClsFullCnt, ClsFullIdx, CLS_OUTER, CLS_INNER, ClsOrder, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                  GROUP, WGS, PACK, DYNAMIC)
     gl.warp_specialize([
         (consumer, (p, 0, cap0_ptr, cap0_size0, cap0_stride0, cap1_ptr, cap1_size0, cap1_stride0)),  # the default partition: 4 warps
@@ -556,6 +555,27 @@ BAND = 0  # keys each query keeps, where mask_mod keeps a window of constant wid
 DYNAMIC_KV = 4096
 
 
+_ORDERS: dict = {}  # id of a tile list's counts -> (those counts, pairs, their order); the lists are cached (attncc.blocks)
+
+
+def _longest_first(lists, pairs):
+    """The program tiles of a data-dependent mask, bh * n_m + Q tile (int32), by their number of key
+    tiles (attncc.blocks' lists: partial and full), the longest first, heads in order among equals:
+    a Q tile's work follows where it falls in the mask (a document's end), not its index, and a grid
+    that ends with long tiles leaves SMs idle (H200, document causal 1x16x16384x128: the
+    index order's last head's long tiles, 1.08x the greedy schedule's length)."""
+    partial_cnt, _, full_cnt, _, n_m, _ = lists
+    hit = _ORDERS.get(id(partial_cnt))
+    if hit is not None and hit[0] is partial_cnt and hit[1] == pairs:
+        return hit[2]
+    work = (partial_cnt + full_cnt).view(-1, n_m)  # a row per (batch, head) or one for all
+    order = torch.argsort(work.expand(pairs, n_m).reshape(-1), descending=True, stable=True).to(torch.int32)
+    if len(_ORDERS) >= 16:
+        _ORDERS.clear()
+    _ORDERS[id(partial_cnt)] = (partial_cnt, pairs, order)
+    return order
+
+
 def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.0, blocks=None):
     """Run attn_fwd: q (B, H, Lq, D), k and v (B, H // GROUP, Lkv, D) -> out, lse (B, H, Lq)."""
     B, H, N_CTX_Q = q.shape[:3]
@@ -576,7 +596,7 @@ def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.
         _descriptor(out, 64, PACK), lse,
         cap0, cap0.shape[0], cap0.stride(0),
         cap1, cap1.shape[0], cap1.stride(0),
-        *blocks["attn_fwd"],
+        *blocks["attn_fwd"], _longest_first(blocks["attn_fwd"], B * H // PACK),
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,  # the tile counter (unread if static)
         H, B * H // PACK, N_CTX_Q, N_CTX_KV, section, sm_scale,
         BLOCK_M=64, BLOCK_N=128, HEAD_DIM=128, STAGES=2,
