@@ -113,8 +113,7 @@ def _captured_blocks(module, fwd, captures, B, H, Lq, Lkv, per_head, device) -> 
     table = torch.empty(X, -(-Lq // blocks.FINE), -(-Lkv // blocks.FINE), dtype=torch.int8, device=device)
     if table.numel():
         fwd.classify(table, captures, H, Lq, Lkv, blocks.FINE)
-    return {fn: blocks.tile_lists(table, o, i, transpose=fn in blocks.KEYS_OUTER)
-            for fn, (o, i) in module.TILES.items()}
+    return blocks.module_lists(module, table)
 
 
 _fitted: dict = {}  # (variant, kernel, spec) -> the spec (tile shrink level) that launched

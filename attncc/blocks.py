@@ -77,7 +77,39 @@ def tile_lists(fine: torch.Tensor, outer: int, inner: int, transpose: bool):
     return (*out, cls.shape[1], cls.shape[2])
 
 
-_lists: dict = {}  # (id of a cached fine table, kernel, tiles) -> (that table, its tile lists)
+def longest_first(lists) -> torch.Tensor:
+    """The outer tiles of ``lists`` (tile_lists) by their number of inner tiles, partial and full,
+    the longest first, in index order among equals (int32): with one row for all heads, the outer
+    tiles' indices; with a row per (batch, head), row * n_outer + outer tile. A kernel whose
+    programs run tiles of unequal work in this order ends with short ones (the Gluon forward:
+    a Q tile's work follows where the mask puts it, a document's end, not its index)."""
+    partial_cnt, _, full_cnt, _, n_outer, _ = lists
+    work = (partial_cnt + full_cnt).view(-1, n_outer)
+    flat = work[0] if work.shape[0] == 1 else work.reshape(-1)
+    return torch.argsort(flat, descending=True, stable=True).to(torch.int32)
+
+
+def module_lists(module, fine: torch.Tensor, cache: dict | None = None) -> dict:
+    """{kernel: tile lists} for every kernel of ``module`` (its TILES), and {kernel + ":order":
+    longest_first} for those it names in LONGEST_FIRST; ``cache`` (keyed by the table's id, the
+    kernel and its tiles) keeps them with the table."""
+    out = {}
+    for fn, (o, i) in module.TILES.items():
+        for name, make in [(fn, lambda: tile_lists(fine, o, i, transpose=fn in KEYS_OUTER)),
+                           (fn + ":order", lambda: longest_first(out[fn]))]:
+            if name != fn and fn not in getattr(module, "LONGEST_FIRST", ()):
+                continue
+            key = (id(fine), name, o, i)
+            hit = cache.get(key) if cache is not None else None
+            if hit is None or hit[0] is not fine:  # ids are reused after a table is evicted
+                hit = (fine, make())
+                if cache is not None:
+                    cache[key] = hit
+            out[name] = hit[1]
+    return out
+
+
+_lists: dict = {}  # (id of a cached fine table, kernel, tiles) -> (that table, its tile lists or their order)
 # The last lists handed out per (module, call lengths), with weak references to the captures and
 # their version counters and storage addresses: a repeated call with unchanged captures gets them
 # back after a few attribute reads, without forming the fine table's key (~13 us per call).
@@ -107,14 +139,7 @@ def for_module(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device, of
 
 def _lists_for(module, fwd_module, captures, B, H, Lq, Lkv, per_head, device, offsets=(0, 0)) -> dict:
     fine = fine_classes(fwd_module, captures, B, H, Lq, Lkv, per_head, device, offsets)
-    out = {}
-    for fn, (o, i) in module.TILES.items():
-        key = (id(fine), fn, o, i)
-        hit = _lists.get(key)
-        if hit is None or hit[0] is not fine:  # ids are reused after a table is evicted
-            live = {id(t) for t, _ in _cache.values()}  # drop the lists of evicted tables
-            for stale in [k for k in _lists if k[0] not in live]:
-                del _lists[stale]
-            hit = _lists[key] = (fine, tile_lists(fine, o, i, transpose=fn in KEYS_OUTER))
-        out[fn] = hit[1]
-    return out
+    live = {id(t) for t, _ in _cache.values()}  # drop the lists of evicted tables
+    for stale in [k for k in _lists if k[0] not in live]:
+        del _lists[stale]
+    return module_lists(module, fine, _lists)

@@ -579,7 +579,7 @@ def test_gluon_tile_lists_visit_every_kept_score(kind, tmp_path):
         n_outer = -(-(Lq if kind == "fwd" else Lkv) // outer)
         if kind == "fwd":
             vars(p).update(section=C(1), n_m=C(n_outer), n_tiles=C(n_outer * B * H), WGS=module.WGS, PACK=1,
-                           BLOCK_M=outer // module.WGS, cls_order=_Ptr(module._longest_first(lists, B * H)))
+                           BLOCK_M=outer // module.WGS, cls_order=_Ptr(blocks.longest_first(lists)))
             schedules = [_in_python(module._tile)(p, C(t)) for t in range(n_outer * B * H)]
             block = _in_python(module._block)
         else:
@@ -605,32 +605,30 @@ def test_gluon_tile_lists_visit_every_kept_score(kind, tmp_path):
         assert len(seen) == n_outer * B * H  # every (batch, head, tile) once
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_gluon_forward_runs_a_sparse_masks_longest_tiles_first(per_head, tmp_path):
-    """_longest_first (the Gluon forward's launcher, data-dependent masks): every (pair, Q tile) once,
-    by the number of key tiles its lists hold, non-increasing, heads in order among equals; a table
-    shared by all heads (one row) or one per head; cached while the lists are the same tensors."""
-    L, H, B = 1000, 2, 3
-    mask_mod = _sparse_masks(L)["block_table" if per_head else "document_causal"]
-    variant = attncc.Variant(None, mask_mod)
-    source = codegen.render(plan.build("fwd", variant.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"),
-                                       variant.captures))
-    path = tmp_path / "fwd.py"
-    path.write_text(source)
-    module = runtime.load(path, True, source)
-    assert module.CLASS_PER_HEAD == per_head
-    g = torch.Generator().manual_seed(7)
-    rows, n_m = (B * H if per_head else 1), 8
-    p_cnt, f_cnt = (torch.randint(0, 4, (rows, n_m), generator=g, dtype=torch.int32) for _ in range(2))
-    lists = (p_cnt, None, f_cnt, None, n_m, 40)
-    order = module._longest_first(lists, B * H)
-    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(B * H * n_m))
-    work = (p_cnt + f_cnt).expand(B * H, n_m).reshape(-1)[order.long()]  # key tiles of each tile in turn
-    assert bool((work[:-1] >= work[1:]).all()), work
+@pytest.mark.parametrize("rows", [1, 6])
+def test_tile_lists_order_longest_first(rows):
+    """attncc.blocks.longest_first: every outer tile once (with a row per (batch, head): row * n_outer
+    + tile), by the number of inner tiles its lists hold, non-increasing, in index order among
+    equals; module_lists gives it to the kernels a module names in LONGEST_FIRST (the Gluon forward)."""
+    from types import SimpleNamespace
+    from attncc import blocks
+    n_outer = 8
+    p_cnt, f_cnt = (torch.randint(0, 4, (rows, n_outer), generator=torch.Generator().manual_seed(7),
+                                  dtype=torch.int32) for _ in range(2))
+    order = blocks.longest_first((p_cnt, None, f_cnt, None, n_outer, 40))
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(rows * n_outer))
+    work = (p_cnt + f_cnt).reshape(-1)[order.long()]  # inner tiles of each outer tile in turn
     ties = work[:-1] == work[1:]
-    assert bool(ties.any()) and bool((order[:-1][ties] < order[1:][ties]).all())  # equals in index order
-    assert module._longest_first(lists, B * H) is order  # cached
-    assert module._longest_first((p_cnt.clone(), None, f_cnt, None, n_m, 40), B * H) is not order
+    assert bool((work[:-1] >= work[1:]).all()) and bool(ties.any()), work
+    assert bool((order[:-1][ties] < order[1:][ties]).all())  # equals in index order
+    fine = torch.randint(0, 3, (rows, 10, 12), generator=torch.Generator().manual_seed(8), dtype=torch.int8)
+    module = SimpleNamespace(TILES={"attn_fwd": (128, 64), "other": (64, 64)}, LONGEST_FIRST=("attn_fwd", ))
+    cache = {}
+    got = blocks.module_lists(module, fine, cache)
+    assert sorted(got) == ["attn_fwd", "attn_fwd:order", "other"]
+    assert torch.equal(got["attn_fwd:order"], blocks.longest_first(blocks.tile_lists(fine, 128, 64, False)))
+    again = blocks.module_lists(module, fine, cache)
+    assert all(again[name] is got[name] for name in got)  # kept with the table
 
 
 @pytest.mark.parametrize("name,d", [("document_causal", 128), ("document_causal", 64), ("block_table", 128)])
@@ -664,7 +662,7 @@ def test_gluon_forward_tile_lists_match_reference(name, d, tmp_path):
         fine = blocks.fine_classes(classifier, caps, 1, H, Lq, Lkv, module.CLASS_PER_HEAD, "cpu")
         p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner = blocks.tile_lists(fine, *module.TILES["attn_fwd"], False)
         n_m = -(-Lq // bq)
-        order = module._longest_first((p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner), H)
+        order = blocks.longest_first((p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner))
         p = SimpleNamespace(section=C(1), n_m=C(n_m), n_tiles=C(n_m * H), H=C(H), WGS=module.WGS, BLOCK_M=bm, PACK=1,
                             cls_order=_Ptr(order), CLS_OUTER=C(n_outer), CLS_INNER=C(n_inner), cls_partial_cnt=_Ptr(p_cnt.reshape(-1)),
                             cls_partial_idx=_Ptr(p_idx.reshape(-1)), cls_full_cnt=_Ptr(f_cnt.reshape(-1)),

@@ -230,14 +230,12 @@ PATCHES["no-o-store"] = [("        _tma_store(p.o_desc, ", "        pass  # _tma
 SPARSE = ("index-order", )  # patches of a data-dependent mask's kernel (block-sparse: tile lists)
 # a data-dependent mask's tiles in index order (sections of heads, the last Q tile first: the order of the
 # other masks, and of these before _longest_first) instead of by their key tiles, longest first
-PATCHES["index-order"] = [
-    ("_ORDERS: dict = {}", '''def _index_order(pairs, n_m, section, device):
-    t = torch.arange(pairs * n_m, device=device)
-    sec, r = t // (section * n_m), t % (section * n_m)
-    size = torch.clamp(pairs - sec * section, max=section)
-    return ((sec * section + r % size) * n_m + n_m - 1 - r // size).to(torch.int32)
-
-
-_ORDERS: dict = {}'''),
-    ('_longest_first(blocks["attn_fwd"], B * H // PACK)', '_index_order(B * H // PACK, blocks["attn_fwd"][4], section, q.device)'),
-]
+PATCHES["index-order"] = [("""    pairs = p.n_tiles // p.n_m
+    bh = t % pairs
+    m0 = gl.load(p.cls_order + t // pairs) * (p.WGS * p.BLOCK_M // p.PACK)
+""", """    sec_tiles = p.section * p.n_m
+    size = gl.minimum(p.n_tiles // p.n_m - t // sec_tiles * p.section, p.section)
+    r = t % sec_tiles
+    bh = t // sec_tiles * p.section + r % size
+    m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M // p.PACK)
+""")]

@@ -39,7 +39,7 @@ def main():
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
     import attncc
-    from attncc import codegen, runtime
+    from attncc import blocks, codegen, runtime
     from attncc.spec import Spec
     folder, rows = tempfile.mkdtemp(), []
     patches = args.patches.split(",")
@@ -72,7 +72,12 @@ def main():
                 module = runtime.load(path, False, src)
                 out = torch.full_like(q, float("nan"))
                 lse = torch.empty(B, H, N, device="cuda")
-                fn = fns[patch] = lambda m=module, o=out, l=lse: m.launch(q, k, v, o, l, caps, D ** -0.5)  # noqa: E731
+                lists = None  # a data-dependent mask's tile lists (attncc.blocks), as a call makes them
+                if module.BLOCK_SPARSE:
+                    classifier = kernel.classifier(spec)
+                    lists = blocks.for_module(module, classifier, caps, B, H, N, N, classifier.CLASS_PER_HEAD, q.device)
+                fn = fns[patch] = lambda m=module, o=out, l=lse, b=lists: m.launch(q, k, v, o, l, caps, D ** -0.5,  # noqa: E731
+                                                                                   blocks=b)
                 fn()
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 errors[patch] = float("nan") if err != err else err

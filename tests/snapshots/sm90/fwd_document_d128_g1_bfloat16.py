@@ -150,7 +150,7 @@ class Pipeline:
     cls_full_idx: gl.tensor
     CLS_OUTER: gl.tensor
     CLS_INNER: gl.tensor
-    cls_order: gl.tensor  # the program tiles (bh * n_m + Q tile), longest first (_tile)
+    cls_order: gl.tensor  # the program tiles' order, longest first (_tile)
     sm_scale: gl.tensor
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -219,11 +219,12 @@ def _block(it, partial, full, n_masked):
 @gluon.jit
 def _tile(p: Pipeline, t):
     """Program tile t -> (b, first query head h, first query position, key-tile schedule): the
-    (batch, head) pair and Q tile cls_order lists t-th, the tiles by their number of key tiles,
-    the longest first (the launcher's _longest_first), so that the grid ends with short tiles."""
-    bm = gl.load(p.cls_order + t)  # bh * n_m + the Q tile
-    bh = bm // p.n_m
-    m0 = bm % p.n_m * (p.WGS * p.BLOCK_M // p.PACK)
+    tiles by their number of key tiles, the longest first, so that the grid ends with short ones
+    (cls_order: attncc.blocks.longest_first of the tile lists). One table for all heads: the Q tiles
+    in that order, each for every (batch, head) pair in turn."""
+    pairs = p.n_tiles // p.n_m
+    bh = t % pairs
+    m0 = gl.load(p.cls_order + t // pairs) * (p.WGS * p.BLOCK_M // p.PACK)
     b = bh // (p.H // p.PACK)
     h = bh % (p.H // p.PACK) * p.PACK
     # the key tiles of a data-dependent mask, listed per Q tile by its block_classes kernel (attncc.blocks):
@@ -487,7 +488,7 @@ def attn_fwd(
     cap0_ptr, cap0_size0, cap0_stride0,  # `doc_q` int tensor, 1-d, read by mask_mod
     cap1_ptr, cap1_size0, cap1_stride0,  # `doc_kv` int tensor, 1-d, read by mask_mod
     ClsPartialCnt, ClsPartialIdx, ClsFullCnt, ClsFullIdx, CLS_OUTER, CLS_INNER,  # the mask's tile lists (attncc.blocks)
-    ClsOrder,  # the program tiles, longest first (_longest_first)
+    ClsOrder,  # the program tiles' order, longest first (attncc.blocks.longest_first)
     TILE_CTR, H, BH, N_CTX_Q, N_CTX_KV, SECTION, sm_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
     WGS: gl.constexpr, PACK: gl.constexpr, DYNAMIC: gl.constexpr,
@@ -541,6 +542,7 @@ TILES = {"attn_fwd": (WGS * 64, 128)}  # (outer, inner) tile of each kernel
 HOST_KERNELS = ("attn_fwd",)
 LAUNCH_TILES = {"attn_fwd": (64, 128, 4, 2)}
 BLOCK_SPARSE = True  # tile lists of the mask's classes (attncc.blocks) drive the key loops
+LONGEST_FIRST = ("attn_fwd", )  # its program tiles run in attncc.blocks.longest_first's order (see _tile)
 CLASS_PER_HEAD = False
 TIER = "gluon"
 PERSISTENT = False  # no mask bounds the key loop: one program per SM walks the tiles
@@ -553,27 +555,6 @@ BAND = 0  # keys each query keeps, where mask_mod keeps a window of constant wid
 # 1.766 / 1.849); head dim 64 (three warp groups) 8x32x2048 0.416 / 0.400, 4x32x4096 0.676 / 0.635
 # (GQA 0.625 / 0.588), 1x32x16384 2.207 / 2.176 (GQA 2.140 / 2.120)
 DYNAMIC_KV = 4096
-
-
-_ORDERS: dict = {}  # id of a tile list's counts -> (those counts, pairs, their order); the lists are cached (attncc.blocks)
-
-
-def _longest_first(lists, pairs):
-    """The program tiles of a data-dependent mask, bh * n_m + Q tile (int32), by their number of key
-    tiles (attncc.blocks' lists: partial and full), the longest first, heads in order among equals:
-    a Q tile's work follows where it falls in the mask (a document's end), not its index, and a grid
-    that ends with long tiles leaves SMs idle (H200, document causal 1x16x16384x128: the
-    index order's last head's long tiles, 1.08x the greedy schedule's length)."""
-    partial_cnt, _, full_cnt, _, n_m, _ = lists
-    hit = _ORDERS.get(id(partial_cnt))
-    if hit is not None and hit[0] is partial_cnt and hit[1] == pairs:
-        return hit[2]
-    work = (partial_cnt + full_cnt).view(-1, n_m)  # a row per (batch, head) or one for all
-    order = torch.argsort(work.expand(pairs, n_m).reshape(-1), descending=True, stable=True).to(torch.int32)
-    if len(_ORDERS) >= 16:
-        _ORDERS.clear()
-    _ORDERS[id(partial_cnt)] = (partial_cnt, pairs, order)
-    return order
 
 
 def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.0, blocks=None):
@@ -596,7 +577,7 @@ def launch(q, k, v, out, lse, captures, sm_scale, seed=0, offset=0, dropout_p=0.
         _descriptor(out, 64, PACK), lse,
         cap0, cap0.shape[0], cap0.stride(0),
         cap1, cap1.shape[0], cap1.stride(0),
-        *blocks["attn_fwd"], _longest_first(blocks["attn_fwd"], B * H // PACK),
+        *blocks["attn_fwd"], blocks["attn_fwd:order"],
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,  # the tile counter (unread if static)
         H, B * H // PACK, N_CTX_Q, N_CTX_KV, section, sm_scale,
         BLOCK_M=64, BLOCK_N=128, HEAD_DIM=128, STAGES=2,
