@@ -664,7 +664,8 @@ def test_gluon_forward_tile_lists_match_reference(name, d, tmp_path):
         n_m = -(-Lq // bq)
         order = blocks.longest_first((p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner))
         p = SimpleNamespace(section=C(1), n_m=C(n_m), n_tiles=C(n_m * H), H=C(H), WGS=module.WGS, BLOCK_M=bm, PACK=1,
-                            cls_order=_Ptr(order), CLS_OUTER=C(n_outer), CLS_INNER=C(n_inner), cls_partial_cnt=_Ptr(p_cnt.reshape(-1)),
+                            cls_order=_Ptr(order), CLS_OUTER=C(n_outer), CLS_INNER=C(n_inner),
+                            cls_partial_cnt=_Ptr(p_cnt.reshape(-1)),
                             cls_partial_idx=_Ptr(p_idx.reshape(-1)), cls_full_cnt=_Ptr(f_cnt.reshape(-1)),
                             cls_full_idx=_Ptr(f_idx.reshape(-1)), BLOCK_N=bn, sm_scale=scale, N_CTX_KV=Lkv)
         q, k, v = (torch.randn(H, n, d, generator=g) for n in (Lq, Lkv, Lkv))

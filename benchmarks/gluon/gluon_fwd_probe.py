@@ -76,8 +76,9 @@ def main():
                 if module.BLOCK_SPARSE:
                     classifier = kernel.classifier(spec)
                     lists = blocks.for_module(module, classifier, caps, B, H, N, N, classifier.CLASS_PER_HEAD, q.device)
-                fn = fns[patch] = lambda m=module, o=out, l=lse, b=lists: m.launch(q, k, v, o, l, caps, D ** -0.5,  # noqa: E731
-                                                                                   blocks=b)
+                def fn(m=module, o=out, l=lse, b=lists):  # noqa: E741
+                    m.launch(q, k, v, o, l, caps, D ** -0.5, blocks=b)
+                fns[patch] = fn
                 fn()
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 errors[patch] = float("nan") if err != err else err

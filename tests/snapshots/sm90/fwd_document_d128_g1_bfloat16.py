@@ -220,8 +220,8 @@ def _block(it, partial, full, n_masked):
 def _tile(p: Pipeline, t):
     """Program tile t -> (b, first query head h, first query position, key-tile schedule): the
     tiles by their number of key tiles, the longest first, so that the grid ends with short ones
-    (cls_order: attncc.blocks.longest_first of the tile lists). One table for all heads: the Q tiles
-    in that order, each for every (batch, head) pair in turn."""
+    (cls_order: attncc.blocks.longest_first of the tile lists, one table for all heads: the Q
+    tiles, each for every (batch, head) pair in turn)."""
     pairs = p.n_tiles // p.n_m
     bh = t % pairs
     m0 = gl.load(p.cls_order + t // pairs) * (p.WGS * p.BLOCK_M // p.PACK)
