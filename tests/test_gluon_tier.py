@@ -305,7 +305,7 @@ if kind.startswith("fwd"):
     pack = module.PACK  # query heads packed into a tile's rows (GQA)
     args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
             module._descriptor(out, block_m, pack), rows, *caps, *lists,
-            *([torch.zeros(64, dtype=torch.int32)] if module.BLOCK_SPARSE else []),  # the tiles' order (_longest_first)
+            *([torch.zeros(64, dtype=torch.int32)] if module.BLOCK_SPARSE else []),  # the tiles' order (attncc.blocks.longest_first)
             torch.zeros(1, dtype=torch.int32), H,
             B * H // pack, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4
     dynamic = not module.PERSISTENT  # tiles of unequal work: the tile counter's code (static for the others)
@@ -519,7 +519,7 @@ def test_forward_probe_patches_still_apply():
     """The same for gluon_fwd_probe.py's patches of the rendered Gluon forward, at both widths (two
     consumer warp groups at head dim 128, three at 64); the texts of fwd_patches.OPTIONAL (the
     persistence flag, P's rounding either way, the third consumer) need only occur in some kernels;
-    those of fwd_patches.SPARSE (a data-dependent mask's launcher) once in a document mask's kernel."""
+    those of fwd_patches.SPARSE (a data-dependent mask's tile order) once in a document mask's kernel."""
     fwd_patches = _patch_table("fwd_patches")
     _assert_patches_apply("fwd_patches", "fwd", (128, 64), names=lambda patch: patch not in fwd_patches.SPARSE)
     document = _variant("document")

@@ -229,7 +229,7 @@ PATCHES["no-o-store"] = [("        _tma_store(p.o_desc, ", "        pass  # _tma
 
 SPARSE = ("index-order", )  # patches of a data-dependent mask's kernel (block-sparse: tile lists)
 # a data-dependent mask's tiles in index order (sections of heads, the last Q tile first: the order of the
-# other masks, and of these before _longest_first) instead of by their key tiles, longest first
+# other masks, and of these before attncc.blocks.longest_first) instead of by their key tiles, longest first
 PATCHES["index-order"] = [("""    pairs = p.n_tiles // p.n_m
     bh = t % pairs
     m0 = gl.load(p.cls_order + t // pairs) * (p.WGS * p.BLOCK_M // p.PACK)
