@@ -107,7 +107,11 @@ def test_plans_mask_by_row_ends():
     bwd = plan.build("bwd", window.analysis, spec)
     assert (fwd.row_keep.first, fwd.row_keep.end) == ("q_idx - 6", "q_idx + 1")
     assert (bwd.row_keep.first, bwd.row_keep.end) == ("kv_idx", "kv_idx + 7")
-    assert "(kv_idx >= q_idx - 6) & (kv_idx < gl.minimum(q_idx + 1, p.N_CTX_KV))" in codegen.render(fwd)
+    source = codegen.render(fwd)  # a band: compared relative to the thread's first key (plan.lane_compares)
+    assert "valid = (cols - lane) < gl.minimum(q_idx + 1, p.N_CTX_KV) - key0" in source
+    assert "valid = valid & ((cols - lane) >= q_idx - 6 - key0)" in source
+    causal = plan.build("fwd", attncc.Variant(mask_mod=MASKS["causal"]).analysis, spec)
+    assert "valid = (kv_idx < p.N_CTX_KV) & (kv_idx < q_idx + 1)" in codegen.render(causal)  # as kv_idx
     assert "q_first = gl.zeros_like(kv_idx) + (kv_idx)" in codegen.render(bwd)
     dilated = attncc.Variant(mask_mod=MASKS["dilated_causal"])
     for kernel in ("fwd", "bwd"):
