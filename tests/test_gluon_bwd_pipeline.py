@@ -319,7 +319,7 @@ def _check_pipeline(name, d, group, offsets, tmp_path, edits=()):
             lists = blocks.tile_lists(fine, *module.TILES["attn_bwd"], True)
             fields.update(cls_partial_cnt=_Ptr(lists[0].reshape(-1)), cls_partial_idx=_Ptr(lists[1].reshape(-1)),
                           cls_full_cnt=_Ptr(lists[2].reshape(-1)), cls_full_idx=_Ptr(lists[3].reshape(-1)),
-                          CLS_OUTER=C(lists[4]), CLS_INNER=C(lists[5]))
+                          CLS_OUTER=C(lists[4]), CLS_INNER=C(lists[5]), cls_order=_Ptr(blocks.longest_first(lists)))
         adds, stores = _pipeline(module, fields, n_kv * pairs, random.Random(seed), H, Lq)
 
         # what the schedule asks for: per program, its steps' query tiles (row keys) in order

@@ -305,7 +305,7 @@ if kind.startswith("fwd"):
     pack = module.PACK  # query heads packed into a tile's rows (GQA)
     args = [module._descriptor(q, block_m, pack), module._descriptor(k, block_n), module._descriptor(k, block_n),
             module._descriptor(out, block_m, pack), rows, *caps, *lists,
-            *([torch.zeros(64, dtype=torch.int32)] if module.BLOCK_SPARSE else []),  # the tiles' order (attncc.blocks.longest_first)
+            *([torch.zeros(64, dtype=torch.int32)] if module.BLOCK_SPARSE else []),  # the tiles' order (LONGEST_FIRST)
             torch.zeros(1, dtype=torch.int32), H,
             B * H // pack, Lq, Lkv, 4, 0.125, *offsets]  # sections of 4
     dynamic = not module.PERSISTENT  # tiles of unequal work: the tile counter's code (static for the others)
@@ -321,7 +321,8 @@ else:
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, dkv, dkv, *dkv.stride(), *dkv.stride(), *caps,
-            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets, *lists]
+            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets, *lists,
+            *([torch.zeros(64, dtype=torch.int32)] if "attn_bwd" in getattr(module, "LONGEST_FIRST", ()) else [])]
     adds = dict(ADD_DKV=True) if offsets else {}  # chunk kernels: the path that adds to earlier pairs' sums
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                              GROUP=group, HEADS=heads,
@@ -493,12 +494,25 @@ def _assert_patches_apply(table, kernel, head_dims, optional=(), names=lambda pa
     assert not missing, missing
 
 
+def _assert_sparse_patches_apply(table, kernel):
+    """Each old text of the patches in <table>.SPARSE occurs once in a document mask's kernel."""
+    patches = _patch_table(table)
+    document = _variant("document")
+    source = codegen.render(plan.build(kernel, document.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90",
+                                                                        tier="gluon"), document.captures))
+    for patch in getattr(patches, "SPARSE", ()):
+        assert all(source.count(old) == 1 for old, _ in patches.PATCHES[patch]), patch
+
+
 def test_probe_patches_still_apply():
     """benchmarks/gluon/gluon_bwd_probe.py times text patches of the rendered Gluon backward: each
     old text must occur exactly once in the full and the causal kernel, or the probe measures a
-    patch that did nothing (or fails on the GPU, after its compile time)."""
-    _assert_patches_apply("bwd_patches", "bwd", (128, ), names=lambda patch: not patch.endswith("-64"))
+    patch that did nothing (or fails on the GPU, after its compile time); those of bwd_patches.SPARSE
+    (a data-dependent mask's tile order) once in a document mask's kernel."""
+    sparse = getattr(_patch_table("bwd_patches"), "SPARSE", ())
+    _assert_patches_apply("bwd_patches", "bwd", (128, ), names=lambda patch: not patch.endswith("-64") and patch not in sparse)
     _assert_patches_apply("bwd_patches", "bwd", (64, ), names=lambda patch: patch.endswith("-64"))
+    _assert_sparse_patches_apply("bwd_patches", "bwd")
 
 
 def test_probe_plan_patches_set_the_warp_groups():
@@ -520,10 +534,6 @@ def test_forward_probe_patches_still_apply():
     consumer warp groups at head dim 128, three at 64); the texts of fwd_patches.OPTIONAL (the
     persistence flag, P's rounding either way, the third consumer) need only occur in some kernels;
     those of fwd_patches.SPARSE (a data-dependent mask's tile order) once in a document mask's kernel."""
-    fwd_patches = _patch_table("fwd_patches")
-    _assert_patches_apply("fwd_patches", "fwd", (128, 64), names=lambda patch: patch not in fwd_patches.SPARSE)
-    document = _variant("document")
-    source = codegen.render(plan.build("fwd", document.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon"),
-                                       document.captures))
-    for patch in fwd_patches.SPARSE:
-        assert all(source.count(old) == 1 for old, _ in fwd_patches.PATCHES[patch]), patch
+    sparse = _patch_table("fwd_patches").SPARSE
+    _assert_patches_apply("fwd_patches", "fwd", (128, 64), names=lambda patch: patch not in sparse)
+    _assert_sparse_patches_apply("fwd_patches", "fwd")

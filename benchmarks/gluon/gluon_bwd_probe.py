@@ -56,6 +56,8 @@ def main():
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
     import attncc
+    from attncc import blocks
+    from attncc.spec import Spec
     rows = []
     folder = tempfile.mkdtemp()
     for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
@@ -85,7 +87,14 @@ def main():
                 tag = re.sub(r"\W", "_", patch)  # a module name per source
                 module = load(src, f"{name}_{tag}_d{D}_g{case.gqa}", folder)
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-                fn = fns[patch] = lambda m=module, gs=grads: m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale)  # noqa: E731
+                lists = None  # a data-dependent mask's tile lists (attncc.blocks), as a call makes them
+                if module.BLOCK_SPARSE:
+                    classifier = attncc.compile(variant).classifier(Spec("bfloat16", D, D, case.gqa, "cuda-sm90"))
+                    lists = blocks.for_module(module, classifier, caps, B, H, N, N, classifier.CLASS_PER_HEAD, q.device)
+
+                def fn(m=module, gs=grads, b=lists):
+                    m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale, blocks=b)
+                fns[patch] = fn
                 fn()
                 # the largest error of dq, dk, dv against the Triton tier's, relative to its largest gradient
                 errs = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(grads, want)]
