@@ -95,19 +95,18 @@ def module_lists(module, fine: torch.Tensor, cache: dict | None = None) -> dict:
     """{kernel: tile lists} for every kernel of ``module`` (its TILES), and {kernel + ":order":
     longest_first} for those it names in LONGEST_FIRST; ``cache`` (keyed by the table's id, the
     kernel and its tiles) keeps them with the table."""
+    def kept(key, make):
+        hit = cache.get(key) if cache is not None else None
+        if hit is None or hit[0] is not fine:  # ids are reused after a table is evicted
+            hit = (fine, make())
+            if cache is not None:
+                cache[key] = hit
+        return hit[1]
     out = {}
     for fn, (o, i) in module.TILES.items():
-        for name, make in [(fn, lambda: tile_lists(fine, o, i, transpose=fn in KEYS_OUTER)),
-                           (fn + ":order", lambda: longest_first(out[fn]))]:
-            if name != fn and fn not in getattr(module, "LONGEST_FIRST", ()):
-                continue
-            key = (id(fine), name, o, i)
-            hit = cache.get(key) if cache is not None else None
-            if hit is None or hit[0] is not fine:  # ids are reused after a table is evicted
-                hit = (fine, make())
-                if cache is not None:
-                    cache[key] = hit
-            out[name] = hit[1]
+        out[fn] = kept((id(fine), fn, o, i), lambda: tile_lists(fine, o, i, transpose=fn in KEYS_OUTER))
+        if fn in getattr(module, "LONGEST_FIRST", ()):
+            out[fn + ":order"] = kept((id(fine), fn + ":order", o, i), lambda: longest_first(out[fn]))
     return out
 
 

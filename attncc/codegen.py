@@ -25,14 +25,16 @@ def template_dir() -> Path:
     raise FileNotFoundError(f"attncc templates not found next to {here}; reinstall attncc")
 
 
-@lru_cache(maxsize=1)
-def _env() -> jinja2.Environment:
+@lru_cache(maxsize=4)
+def _env(templates: str | None = None) -> jinja2.Environment:
     import jinja2
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(templates or str(template_dir())),
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                               autoescape=False)
 
 
-def render(plan: KernelPlan) -> str:
+def render(plan: KernelPlan, templates: str | None = None) -> str:
+    """The kernel source of ``plan``, from attncc's templates/ or, for the Gluon probes' A/B against
+    an earlier commit, another such folder (``templates``)."""
     name = GLUON_TEMPLATES[plan.kernel] if plan.tier == "gluon" else TEMPLATES[plan.kernel]
-    return _env().get_template(name).render(plan=plan)
+    return _env(templates).get_template(name).render(plan=plan)

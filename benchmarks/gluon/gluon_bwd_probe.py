@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bwd_patches import PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, peer_fn, plan_edits, print_table, render_from, time_cell  # noqa: E402
+from probe_common import apply, peer_fn, plan_edits, print_table, sparse_lists, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def render(case, D, group, edits=None, templates=None):
     variant = attncc.Variant(case.score_mod, case.mask_mod)
     spec = Spec("bfloat16", D, D, group, "cuda-sm90", tier="gluon")
     kernel_plan = dataclasses.replace(plan.build("bwd", variant.analysis, spec, variant.captures), **(edits or {}))
-    return variant, render_from(templates, kernel_plan) if templates else codegen.render(kernel_plan)
+    return variant, codegen.render(kernel_plan, templates)
 
 
 def load(text, name, folder):
@@ -56,7 +56,6 @@ def main():
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
     import attncc
-    from attncc import blocks
     from attncc.spec import Spec
     rows = []
     folder = tempfile.mkdtemp()
@@ -87,10 +86,8 @@ def main():
                 tag = re.sub(r"\W", "_", patch)  # a module name per source
                 module = load(src, f"{name}_{tag}_d{D}_g{case.gqa}", folder)
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-                lists = None  # a data-dependent mask's tile lists (attncc.blocks), as a call makes them
-                if module.BLOCK_SPARSE:
-                    classifier = attncc.compile(variant).classifier(Spec("bfloat16", D, D, case.gqa, "cuda-sm90"))
-                    lists = blocks.for_module(module, classifier, caps, B, H, N, N, classifier.CLASS_PER_HEAD, q.device)
+                lists = sparse_lists(module, variant, Spec("bfloat16", D, D, case.gqa, "cuda-sm90"), caps, B, H, N,
+                                     q.device)
 
                 def fn(m=module, gs=grads, b=lists):
                     m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale, blocks=b)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwd_patches import OPTIONAL, PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, build_plan, peer_fn, print_table, render_from, time_cell  # noqa: E402
+from probe_common import apply, build_plan, peer_fn, print_table, sparse_lists, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 def main():
@@ -39,7 +39,7 @@ def main():
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
     import attncc
-    from attncc import blocks, codegen, runtime
+    from attncc import codegen, runtime
     from attncc.spec import Spec
     folder, rows = tempfile.mkdtemp(), []
     patches = args.patches.split(",")
@@ -61,7 +61,7 @@ def main():
             errors = {}
             for patch in patches:
                 if patch.startswith("@"):  # another checkout's templates
-                    src = render_from(patch[1:], build_plan("fwd", variant, spec))
+                    src = codegen.render(build_plan("fwd", variant, spec), patch[1:])
                 else:
                     text = codegen.render(build_plan("fwd", variant, spec, patch))
                     # the render may have set the flag, and rounds P one way or the other (plan.probs_in_pairs)
@@ -72,10 +72,7 @@ def main():
                 module = runtime.load(path, False, src)
                 out = torch.full_like(q, float("nan"))
                 lse = torch.empty(B, H, N, device="cuda")
-                lists = None  # a data-dependent mask's tile lists (attncc.blocks), as a call makes them
-                if module.BLOCK_SPARSE:
-                    classifier = kernel.classifier(spec)
-                    lists = blocks.for_module(module, classifier, caps, B, H, N, N, classifier.CLASS_PER_HEAD, q.device)
+                lists = sparse_lists(module, variant, spec, caps, B, H, N, q.device)
                 def fn(m=module, o=out, l=lse, b=lists):  # noqa: E741
                     m.launch(q, k, v, o, l, caps, D ** -0.5, blocks=b)
                 fns[patch] = fn

@@ -29,17 +29,6 @@ def plan_edits(patch):
     return {k: v for part in patch.split("+") for k, v in PLAN_PATCHES.get(part, {}).items()}
 
 
-def render_from(templates, kernel_plan):
-    """The Gluon kernel of `kernel_plan` rendered from another templates/ folder (a probe's patch
-    @DIR, sass.py --templates: an earlier commit's, `git archive COMMIT templates | tar -x -C DIR`)."""
-    import jinja2
-
-    from attncc import codegen
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
-    return env.get_template(codegen.GLUON_TEMPLATES[kernel_plan.kernel]).render(plan=kernel_plan)
-
-
 def build_plan(kind, variant, spec, patch=""):
     """plan.build's KernelPlan with the plan patches in `patch`: `wide` / `narrow` build it with three
     / two consumer warp groups at head dim 64 whatever plan.wide_forward says, the others replace fields."""
@@ -54,6 +43,17 @@ def build_plan(kind, variant, spec, patch=""):
     else:
         built = plan.build(kind, variant.analysis, spec, variant.captures)
     return dataclasses.replace(built, **plan_edits(patch))
+
+
+def sparse_lists(module, variant, spec, captures, B, H, N, device):
+    """A data-dependent mask's tile lists for `module` (attncc.blocks), as a call makes them; None
+    for the other masks."""
+    if not module.BLOCK_SPARSE:
+        return None
+    import attncc
+    from attncc import blocks
+    classifier = attncc.compile(variant).classifier(spec)
+    return blocks.for_module(module, classifier, captures, B, H, N, N, classifier.CLASS_PER_HEAD, device)
 
 
 def apply(text, patch, table, optional=()):

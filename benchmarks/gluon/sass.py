@@ -86,9 +86,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.kind}_{args.name}.py"
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from probe_common import apply, build_plan, render_from
+        from probe_common import apply, build_plan
         kernel_plan = build_plan(args.kind, variant, spec, args.patch)
-        source = render_from(args.templates, kernel_plan) if args.templates else codegen.render(kernel_plan)
+        source = codegen.render(kernel_plan, args.templates)
         if args.patch:
             source = apply(source, args.patch, __import__(f"{args.kind}_patches").PATCHES)
         path.write_text(source)
