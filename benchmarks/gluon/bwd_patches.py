@@ -295,3 +295,37 @@ PATCHES["k-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + "    for j
     (_CALL.format(m), _CALL.format(m).replace("k_rows", "k_op")) for m in ("True", "False")]
 PATCHES["kv-regs"] = [(_KV_WAIT, _KV_WAIT.replace("    for j", _K_OP + _V_OP + "    for j"))] + [
     (_CALL.format(m), _CALL.format(m).replace("k_rows, v_rows", "k_op, v_op")) for m in ("True", "False")]
+
+# dQ added from the consumers' registers by vector reductions (REDG.E.ADD.F32x4, 8 a step and thread at
+# head dim 128) into dq_acc, in its accumulator order, instead of staged in shared memory for the producer's
+# TMA reduce-add: the step's 32 KB of dQ stores and the TMA's 32 KB of reads leave shared memory (of about
+# 368 KB a step at head dim 128, where the step is bound by shared memory: benchmarks/gluon/NOTES.md), and
+# the consumer no longer waits for the previous step's add. The launcher passes dq_acc itself in place of
+# its descriptor (`_dq_accumulator`); the producer still waits for each consumer's hand-over, which frees
+# the Q/dO slot. SASS (full, 128): the 8 STS.128 become 8 REDG.E.ADD.F32x4 off one base register, the
+# unmasked step 479 -> 517 instructions (the consumer now computes the query tile's index, which the
+# base kernel's unmasked step never needs; 10 -> 14 LDL). H200, three rounds in turn, ms base / red-dq,
+# 4x16x4096 / 1x16x16384 at 128: full 2.531 / 2.758, 9.662 / 10.664; causal 1.369 / 1.495, 4.810 /
+# 5.386; sliding window 0.785 / 0.827, 0.840 / 0.896; 4x32x4096 / 1x32x16384 at 64: full 2.932 / 3.177,
+# 11.113 / 12.162; causal 1.580 / 1.745, 5.601 / 6.265; sliding window 0.871 / 0.974, 0.954 / 1.049.
+# 5-12 % slower everywhere: the bulk TMA reduce-add from shared memory beats the consumers' reductions
+PATCHES["red-dq"] = [
+    ("    dq_desc: tma.tensor_descriptor  # float32 dq_acc as rows of 256, boxes of one warp group's block\n",
+     "    dq_desc: gl.tensor  # float32 dq_acc as rows of 256 (red-dq: the tensor itself)\n"),
+    ("    return dq_acc, TensorDescriptor.from_tensor(dq_acc, ", "    return dq_acc, dq_acc  # "),
+    ("""    mbarrier.wait(p.dq_bars.index(2 + WG), (j & 1) ^ 1)  # the previous step's add has read the buffer
+    p.dq_smem.index(WG).store(dq)
+""", """    block = ((b * p.H + h) * gl.cdiv(p.N_CTX_Q, BLOCK_M) + m0 // BLOCK_M) * 2 + WG
+    rr = gl.arange(0, DQ_N // 4, layout=gl.SliceLayout(1, dq.type.layout))
+    cc = gl.arange(0, 256, layout=gl.SliceLayout(0, dq.type.layout))
+    gl.atomic_add(p.dq_desc + block.to(gl.int64) * (DQ_N * 64) + gl.expand_dims(rr * 256, 1) + gl.expand_dims(cc, 0), dq,
+                  sem="relaxed")
+"""),
+    ("""        mbarrier.wait(p.dq_bars.index(wg), i & 1)
+        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))
+    tma.store_wait(pendings=0)
+    for wg in gl.static_range(2):
+        mbarrier.arrive(p.dq_bars.index(2 + wg), count=1)
+""", """        mbarrier.wait(p.dq_bars.index(wg), i & 1)
+"""),
+]

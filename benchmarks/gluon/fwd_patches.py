@@ -239,3 +239,69 @@ PATCHES["index-order"] = [("""    pairs = p.n_tiles // p.n_m
     bh = t // sec_tiles * p.section + r % size
     m0 = (p.n_m - 1 - r // size) * (p.WGS * p.BLOCK_M // p.PACK)
 """)]
+
+# FA4's lazy rescale (its sm100 softmax; its sm90 forward rescales every step): a row's max moves only
+# where the tile's is more than 8 (log2 units) above it, so P stays below 2^8 and O, l stay exact for
+# the max they were taken at; the warp group skips O *= alpha (64 FMUL a thread at head dim 128) where no
+# row of it moved, which after a row's first key tiles is nearly always. The decision is a reduction
+# over the warp group's rows (shared memory and two barriers), made before the P V wait. SASS (full, 128):
+# the unmasked step 484 -> 514 instructions of which 64 FMUL branched over. H200, three rounds in turn,
+# ms base / lazy-rescale, 4x16x4096 / 1x16x16384 at 128: full 0.902 / 0.893, 3.515 / 3.532; causal
+# 0.501 / 0.500, 1.808 / 1.789; GQA 4:1 0.498 / 0.494, 1.804 / 1.778; 4x32x4096 / 1x32x16384 at 64 (three
+# warp groups: stack 37 -> 59 bytes): full 1.132 / 1.375, 4.192 / 5.125; causal 0.648 / 0.668, 2.206 /
+# 2.273; GQA 0.594 / 0.613, 2.159 / 2.198. Within 1.5 % at 128, 3-22 % slower at 64: not taken
+PATCHES["lazy-rescale"] = [
+    ("    m_safe = gl.where(m_new == -float(\"inf\"), 0.0, m_new)  # rows with nothing unmasked yet\n",
+     "    m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)  # lazy-rescale\n"
+     "    m_safe = gl.where(m_new == -float(\"inf\"), 0.0, m_new)  # rows with nothing unmasked yet\n"),
+    ("""    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))
+    mbarrier.arrive(p.v_empty.index(v_slot), count=1)
+    o = o * """ + RESCALE + "\n",
+     """    moved = gl.min(alpha, axis=0) < 1.0
+    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))
+    mbarrier.arrive(p.v_empty.index(v_slot), count=1)
+    if moved:
+        o = o * """ + RESCALE + "\n"),
+]
+
+
+def _lazy_asm(n, bar):
+    """PTX of O *= alpha for a thread's n accumulator values (pack=n: outputs $0.., tied to the o inputs
+    $n.., alpha broadcast $2n..; a thread's values 4 k + (0, 1) are its first row's, 4 k + (2, 3) its
+    second's), skipped by the whole warp group where none of its rows moved: bar.red.or over the 128
+    threads on named barrier `bar`."""
+    muls = "".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};\n\t" for i in range(n))
+    return ("{\n\t.reg .pred p, q;\n\t"
+            f"setp.lt.f32 p, ${2 * n}, 0f3F800000;\n\tsetp.lt.or.f32 p, ${2 * n + 2}, 0f3F800000, p;\n\t"
+            f"bar.red.or.pred q, {bar}, 128, p;\n\t@!q bra.uni SKIP;\n\t" + muls + "SKIP:\n\t}")
+
+
+def _lazy_fn(n):
+    cons = ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
+    return f"""
+
+@gluon.jit
+def _rescale_lazy(o, alpha, WG: gl.constexpr):
+    if WG == 0:
+        return gl.inline_asm_elementwise({_lazy_asm(n, 12)!r}, "{cons}", [o, alpha], dtype=gl.float32, is_pure=True, pack={n})
+    else:
+        return gl.inline_asm_elementwise({_lazy_asm(n, 13)!r}, "{cons}", [o, alpha], dtype=gl.float32, is_pure=True, pack={n})
+"""
+
+
+# lazy-rescale with the warp group's decision as one bar.red.or (no reduction through shared memory) and the
+# multiplies branched over in PTX; head dim 128 (64 accumulator values a thread). SASS (full): BAR.RED.OR and
+# a branch over the 64 FMUL, the unmasked step 497 instructions with them (433 without). H200, three rounds,
+# ms base / lazy-rescale-bar, 4x16x4096 / 1x16x16384: full 0.912 / 0.906, 3.625 / 3.506; causal 0.503 /
+# 0.514, 1.829 / 1.859; GQA 4:1 0.503 / 0.505, 1.805 / 1.849; sliding window 0.268 / 0.272, 0.283 / 0.288;
+# ALiBi 0.598 / 0.613, 2.213 / 2.176; softcap 0.634 / 0.650, 2.326 / 2.330. -3 % to +2.5 %, most cells
+# slower: a tenth of the step's instructions fewer is not time saved (the key step waits on the tensor
+# cores and the other warp group's turn, not on issue). Not taken
+PATCHES["lazy-rescale-bar"] = PATCHES["lazy-rescale"][:1] + [
+    ("\n\n@gluon.jit\ndef _kv_step", _lazy_fn(64) + "\n\n@gluon.jit\ndef _kv_step"),
+    ("""    mbarrier.arrive(p.v_empty.index(v_slot), count=1)
+    o = o * """ + RESCALE + "\n",
+     """    mbarrier.arrive(p.v_empty.index(v_slot), count=1)
+    o = _rescale_lazy(o, gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1), WG)
+"""),
+]
