@@ -249,7 +249,7 @@ PATCHES["index-order"] = [("""    pairs = p.n_tiles // p.n_m
 # ms base / lazy-rescale, 4x16x4096 / 1x16x16384 at 128: full 0.902 / 0.893, 3.515 / 3.532; causal
 # 0.501 / 0.500, 1.808 / 1.789; GQA 4:1 0.498 / 0.494, 1.804 / 1.778; 4x32x4096 / 1x32x16384 at 64 (three
 # warp groups: stack 37 -> 59 bytes): full 1.132 / 1.375, 4.192 / 5.125; causal 0.648 / 0.668, 2.206 /
-# 2.273; GQA 0.594 / 0.613, 2.159 / 2.198. Within 1.5 % at 128, 3-22 % slower at 64: not taken
+# 2.273; GQA 0.594 / 0.613, 2.159 / 2.198. Within 1.5 % at 128, 2-22 % slower at 64: not taken
 PATCHES["lazy-rescale"] = [
     ("    m_safe = gl.where(m_new == -float(\"inf\"), 0.0, m_new)  # rows with nothing unmasked yet\n",
      "    m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)  # lazy-rescale\n"
