@@ -857,19 +857,16 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
         p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner = blocks.tile_lists(fine, *module.TILES["attn_bwd"], True)
         assert int(f_cnt.sum()) and int(p_cnt.sum())  # both kinds of tiles to run
         program = _in_python(module._program)
-        order = blocks.longest_first((p_cnt, p_idx, f_cnt, f_idx, n_outer, n_inner))  # programs' K/V tiles
         vars(p).update(H=C(1), PAIRS=C(1), HEADS=1, CHUNK=C(1), CLS_OUTER=C(n_outer), CLS_INNER=C(n_inner),
                        cls_partial_cnt=_Ptr(p_cnt.reshape(-1)), cls_partial_idx=_Ptr(p_idx.reshape(-1)),
-                       cls_full_cnt=_Ptr(f_cnt.reshape(-1)), cls_full_idx=_Ptr(f_idx.reshape(-1)),
-                       cls_order=_Ptr(order))
-        ordered = "attn_bwd" in getattr(module, "LONGEST_FIRST", ())
+                       cls_full_cnt=_Ptr(f_cnt.reshape(-1)), cls_full_idx=_Ptr(f_idx.reshape(-1)))
     for h0, kv_lo in ((h0, kv_lo) for h0 in range(0, group, heads) for kv_lo in range(0, Lkv, bk)):
         # a program: its K/V tile, its query heads' tiles in the kernel's order
         rows = min(bk, Lkv - kv_lo)
         p.k_smem.t.zero_()[:rows] = k[kv_lo:kv_lo + rows].float()
         p.v_smem.t.zero_()[:rows] = v[kv_lo:kv_lo + rows].float()
         if module.BLOCK_SPARSE:
-            _Gl.pid = order.tolist().index(kv_lo // bk) if ordered else kv_lo // bk  # the program of this K/V tile
+            _Gl.pid = kv_lo // bk  # the program of this K/V tile
             _, _, lo, partial, full, n_masked, n = program(p)
             assert int(lo) == kv_lo
 

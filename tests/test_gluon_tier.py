@@ -321,8 +321,7 @@ else:
     dq = module._dq_accumulator(B * H * triton.cdiv(Lq, block_m), "cpu")[1]
     args = [module._descriptor(q, block_m), module._descriptor(k, 2 * block_n), module._descriptor(k, 2 * block_n),
             module._descriptor(out, block_m), rows, rows, dq, dkv, dkv, *dkv.stride(), *dkv.stride(), *caps,
-            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets, *lists,
-            *([torch.zeros(64, dtype=torch.int32)] if "attn_bwd" in getattr(module, "LONGEST_FIRST", ()) else [])]
+            H, B * H // heads, Lq, Lkv, 0.125, -5.5, 3, *offsets, *lists]
     adds = dict(ADD_DKV=True) if offsets else {}  # chunk kernels: the path that adds to earlier pairs' sums
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                              GROUP=group, HEADS=heads,
@@ -500,19 +499,16 @@ def _assert_sparse_patches_apply(table, kernel):
     document = _variant("document")
     source = codegen.render(plan.build(kernel, document.analysis, Spec("bfloat16", 128, 128, 1, "cuda-sm90",
                                                                         tier="gluon"), document.captures))
-    for patch in getattr(patches, "SPARSE", ()):
+    for patch in patches.SPARSE:
         assert all(source.count(old) == 1 for old, _ in patches.PATCHES[patch]), patch
 
 
 def test_probe_patches_still_apply():
     """benchmarks/gluon/gluon_bwd_probe.py times text patches of the rendered Gluon backward: each
     old text must occur exactly once in the full and the causal kernel, or the probe measures a
-    patch that did nothing (or fails on the GPU, after its compile time); those of bwd_patches.SPARSE
-    (a data-dependent mask's tile order) once in a document mask's kernel."""
-    sparse = getattr(_patch_table("bwd_patches"), "SPARSE", ())
-    _assert_patches_apply("bwd_patches", "bwd", (128, ), names=lambda patch: not patch.endswith("-64") and patch not in sparse)
+    patch that did nothing (or fails on the GPU, after its compile time)."""
+    _assert_patches_apply("bwd_patches", "bwd", (128, ), names=lambda patch: not patch.endswith("-64"))
     _assert_patches_apply("bwd_patches", "bwd", (64, ), names=lambda patch: patch.endswith("-64"))
-    _assert_sparse_patches_apply("bwd_patches", "bwd")
 
 
 def test_probe_plan_patches_set_the_warp_groups():
