@@ -161,14 +161,40 @@ def _gathers_by_position(variant) -> bool:
     return _indexed_by_both_positions(variant, variant.analysis.facts.captures_in_score)
 
 
-def _indexed_by_both_positions(variant, captures) -> bool:
-    """Whether the score_mod loads one of the captured tensors numbered ``captures`` at an index
-    that reads both q_idx and kv_idx."""
+def padded_views() -> bool:
+    """Whether this Triton's Gluon views padded shared memory with another layout, as the backward's
+    diagonal sums of relative-position tables do (sm90/attn_bwd.py.jinja, _diagonal_sums): triton
+    3.6's shared_memory_descriptor._reinterpret does; 3.9's reinterpret refuses another padding."""
+    try:
+        from triton.experimental.gluon.language._core import shared_memory_descriptor
+    except ImportError:
+        return False
+    return hasattr(shared_memory_descriptor, "_reinterpret")
+
+
+def _tables_by_difference(variant, captures) -> bool:
+    """Whether the score_mod reads each of the captured tensors numbered ``captures`` only at indices
+    of q_idx - kv_idx (relative-position tables)."""
     from .passes import derive
     from .passes.symbolic import KV, Q
+    from .plan import _reads_difference_only
     score = variant.analysis.score
     sites = [site for c in captures for site in derive.load_sites(score, c)] if score is not None else []
-    return any({Q, KV} <= set().union(*(i.free_symbols for i in site.args)) for site in sites if site.args)
+    return bool(sites) and all(site.args and {Q, KV} <= set().union(*(i.free_symbols for i in site.args))
+                               and _reads_difference_only(site.args) for site in sites)
+
+
+def _indexed_by_both_positions(variant, captures, but_difference: bool = False) -> bool:
+    """Whether the score_mod loads one of the captured tensors numbered ``captures`` at an index
+    that reads both q_idx and kv_idx (``but_difference``: other than through q_idx - kv_idx only, as
+    a relative-position table does)."""
+    from .passes import derive
+    from .passes.symbolic import KV, Q
+    from .plan import _reads_difference_only
+    score = variant.analysis.score
+    sites = [site for c in captures for site in derive.load_sites(score, c)] if score is not None else []
+    return any({Q, KV} <= set().union(*(i.free_symbols for i in site.args))
+               and not (but_difference and _reads_difference_only(site.args)) for site in sites if site.args)
 
 
 _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
@@ -260,12 +286,17 @@ def choose_backward(variant, fwd_spec, learnable: tuple, deterministic: bool, kv
         return "triton", f"the Gluon tier is built for sm90 (Hopper); this target is {fwd_spec.target}"
     d = fwd_spec.head_dim
     why_not = _unfit(variant, fwd_spec.dtype, d, fwd_spec.head_dim_v, fwd_spec.dropout)
-    if why_not is None and learnable and _indexed_by_both_positions(variant, learnable):
-        why_not = ("a learnable captured tensor indexed by both q_idx and kv_idx: the Triton tier sums its "
-                   "gradient per diagonal of a tile, the Gluon backward would add per score")
-    if why_not is None and learnable and want != "gluon":
+    if why_not is None and learnable and _indexed_by_both_positions(variant, learnable, but_difference=True):
+        why_not = ("a learnable captured tensor indexed by both q_idx and kv_idx other than through q_idx - kv_idx: "
+                   "the Gluon backward has no per-score gradient")
+    if why_not is None and learnable and _indexed_by_both_positions(variant, learnable) and not padded_views():
+        why_not = ("a learnable relative-position table: the Gluon backward sums its diagonals through a padded view "
+                   "of shared memory, which this Triton's Gluon refuses (triton 3.6's has it)")
+    if why_not is None and learnable and want != "gluon" and not _tables_by_difference(variant, learnable):
         # per step, a sum over the tile and an atomic per site: learned ALiBi slopes measured 0.46x
-        # (4x32x4096x64) and 0.89-0.91x (head dim 128, 4k and 16k) the Triton tier's backward
+        # (4x32x4096x64) and 0.89-0.91x (head dim 128, 4k and 16k) the Triton tier's backward. Relative-
+        # position tables (the tile's diagonals summed through shared memory, an atomic per diagonal)
+        # measured 1.4-1.9x faster than it (H200, causal, 1024 to 16384 keys, head dims 64 and 128)
         why_not = ("learnable captured tensors: the Gluon backward's per-step sums and atomics for their "
                    "gradients measured slower than the Triton tier's (ATTNCC_TIER=gluon takes them)")
     if why_not is None and deterministic:

@@ -43,7 +43,7 @@ TIMES = {"attncc": [(1.0, 10.0, 11.0), (2.0, 20.0, 22.0), (4.0, 40.0, 44.0)],
 def stubbed(monkeypatch):
     order = []
 
-    def build(system, case, N, training=True):
+    def build(system, case, N, training=True, kernel_options=None):
         if system == "fa4":
             return None  # cannot express the variant
         if system == "flex-flash":
@@ -52,9 +52,12 @@ def stubbed(monkeypatch):
         def fn(q, k, v):
             return q
         fn.system = system
+        fn.tiles = kernel_options
         return fn
 
     def time_fwd_bwd(fn, q, k, v, leaves, grad_out, warmup, rep):
+        if fn.system == "flex" and OVERFLOW and fn.tiles is None:  # its autotuner's tiles overflow shared memory
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: triton_tem_fused_flex")
         got = TIMES[fn.system][sum(s == fn.system for s in order)]
         order.append(fn.system)
         if isinstance(got, Exception):
@@ -65,7 +68,20 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(bench, "build", build)
     monkeypatch.setattr(bench, "time_fwd_bwd", time_fwd_bwd)
     monkeypatch.setattr(bench, "check", lambda *args: {"out": 1e-3, "dq": 2e-3})
+    monkeypatch.setattr(sys.modules[__name__], "OVERFLOW", False)
     return order
+
+
+OVERFLOW = False  # the stubbed flex fails with its own tiles
+
+
+def test_flex_runs_with_small_tiles_where_its_own_overflow(stubbed, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "OVERFLOW", True)
+    case = bench.make_cases(2, 64, "cpu")["causal"]
+    rows = {r["system"]: r for r in bench.bench_case(case, (1, 2, 64, 16), 1, 1, ("attncc", "flex"), rounds=2)}
+    assert stubbed == ["attncc", "flex", "attncc", "flex"]
+    assert rows["flex"]["fwd_ms"] == 4.5 and "kernel_options" in rows["flex"]["note"]
+    assert "overflow shared memory" in rows["flex"]["note"] and rows["attncc"]["note"] is None
 
 
 def test_rounds_time_in_turn_and_keep_medians(stubbed):

@@ -737,6 +737,14 @@ class _Smem:
     def __init__(self, t):
         self.t = t
 
+    @property
+    def dtype(self):
+        return self.t.dtype
+
+    def _reinterpret(self, dtype, shape, layout):  # _diagonal_sums's padded view: rows of 64 at 65
+        assert layout == ("padded", ((64, 1),), tuple(shape)) and list(shape) == [64, 64], layout
+        return _PaddedRows(self.t.reshape(-1))
+
     def index(self, i):
         return _Smem(self.t[i])
 
@@ -751,6 +759,20 @@ class _Smem:
 
     def store(self, x):
         self.t.copy_(x)
+
+
+class _PaddedRows:
+    """A [64, 64] view with an element of padding after every row: (i, j) at 65 i + j."""
+
+    def __init__(self, flat):
+        self.flat = flat
+
+    def store(self, x):
+        self.flat[(torch.arange(64)[:, None] * 65 + torch.arange(64)[None, :]).reshape(-1)] = x.reshape(-1)
+
+
+class _Padded:
+    with_identity_for = staticmethod(lambda pairs, shape, order: ("padded", tuple(map(tuple, pairs)), tuple(shape)))
 
 
 def _mma(a, b, acc, use_acc=True, is_async=True):
@@ -770,6 +792,9 @@ class _GlBwd(_GlTorch):
     convert_layout = staticmethod(lambda x, layout: x)
     reshape = staticmethod(lambda x, shape: x.reshape(shape))
     permute = staticmethod(lambda x, dims: x.permute(dims))
+    split = staticmethod(lambda x: (x[..., 0], x[..., 1]))
+    join = staticmethod(lambda a, b: torch.stack((a, b), dim=-1))
+    PaddedSharedLayout = _Padded
 
 
 def _bwd_step_in_torch(module):
@@ -782,12 +807,44 @@ def _bwd_step_in_torch(module):
            "_floor_div": lambda a, b: torch.div(a, b, rounding_mode="floor"), "_floor_mod": torch.remainder,
            "warpgroup_mma_wait": lambda num_outstanding, deps: deps[0] if len(deps) == 1 else tuple(deps)}
     exec(compile(src, module.__file__, "exec"), env)
+    if hasattr(module, "_diagonal_sums"):  # its lane shuffle and register swaps as what they compute
+        env.update(_reversed_columns=lambda x: x.flip(1), _cta_barrier=lambda: None)
+        helper = inspect.getsource(module._diagonal_sums.fn)
+        exec(compile(helper[helper.index("def "):], module.__file__, "exec"), env)
     return env["_step"]
+
+
+def test_gluon_reversed_columns_in_torch(tmp_path):
+    """_diagonal_sums's column reversal: the lane shuffle (lane 4 g + l <-> 4 g + 3 - l holds columns
+    8 k + 2 l + j of the wgmma accumulator, so it swaps l -> 3 - l) and the register swaps of k and
+    j give x[:, 63 - c]. (The shuffle's lanes are the GPU tests'; the steps above take the whole
+    reversal as a flip.)"""
+    variant = _variant("rel_bias", H=2)
+    spec = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon", learnable=(0,))
+    source = codegen.render(plan.build("bwd", variant.analysis, spec, variant.captures))
+    path = tmp_path / "bwd.py"
+    path.write_text(source)
+    module = runtime.load(path, True, source)
+
+    def lanes_swapped(asm, constraints, args, dtype, is_pure, pack):
+        assert "shfl.sync.bfly.b32" in asm and ", 3," in asm
+        c = torch.arange(64)
+        return args[0][:, c // 8 * 8 + 2 * (3 - c // 2 % 4) + c % 2]
+
+    gl = _GlBwd()
+    gl.inline_asm_elementwise = lanes_swapped
+    env = {"gl": gl}
+    for name in ("_swap_last", "_reversed_columns"):
+        src = inspect.getsource(getattr(module, name).fn)
+        exec(compile(src[src.index("def "):], module.__file__, "exec"), env)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(env["_reversed_columns"](x), x.flip(1))
 
 
 BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
                   ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False),
                   ("alibi-learn", 128, True), ("row_biases-learn", 64, False),  # capture gradients: per-step sums, atomics
+                  ("rel_bias-learn", 128, True), ("rel_bias-learn", 64, False),  # per diagonal (_diagonal_sums)
                   ("alibi-gqa", 64, False), ("causal-gqa", 128, True),  # GQA 2: query heads in one program or one each
                   ("document_causal", 128, False), ("block_table", 64, False)]  # tile lists (data-dependent masks)
 
@@ -839,6 +896,7 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     delta = (do * o.detach()).sum(-1).float()
     dcaps = [torch.zeros(c.numel()) for c in caps]
     cap_args = _cap_args(caps, dcaps if learn else None)
+    diag_buf = [_Smem(torch.zeros(2, 128, 64))] if "diag_buf" in source else []  # attn_bwd's, for _diagonal_sums
     lse_folds = "if p.FOLD_LSE:" in source
     p = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, N_CTX_Q=Lq, N_CTX_KV=Lkv, Q_OFF=q_off,
                         KV_OFF=kv_off, sm_scale=scale, lse_to_acc=-1.0 / (scale * 1.4426950408889634), FOLD_LSE=lse_folds,
@@ -893,8 +951,9 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
                     dc.copy_(b0)
                 for wg in (0, 1):
                     dk, dv = step(p, wg, j, m0, b_t, torch.tensor(hq), acc[wg][0].clone(), acc[wg][1].clone(),
-                                  kv_idx[wg], p.k_smem.slice(wg * bn, bn), p.v_smem.slice(wg * bn, bn), None, None, None,
-                                  j < n_masked * heads, *cap_args)
+                                  kv_idx[wg], *[int(kv_idx[wg][0, 0])] * len(diag_buf), p.k_smem.slice(wg * bn, bn),
+                                  p.v_smem.slice(wg * bn, bn), None, None, None, j < n_masked * heads,
+                                  *cap_args, *diag_buf)  # kv0 and diag_buf: the diagonal sums'
                     if keep:
                         acc[wg] = [dk, dv]
                         part = p.dq_smem.t[wg].reshape(dq_n // 8, 4, 8, 4, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(64, dq_n)

@@ -208,6 +208,29 @@ def test_backward_tier_choice_follows_the_measurements(monkeypatch):
     assert tier(causal, 128, 4, 100) == ("gluon", "ATTNCC_TIER=gluon")
 
 
+def test_backward_tier_choice_for_learnable_tables(monkeypatch):
+    """Learnable captures keep the Triton tier's backward under auto, except relative-position tables
+    (read at q_idx - kv_idx only: their diagonal sums measured faster on the Gluon tier), which need
+    triton 3.6's padded shared-memory views; a table read at both positions otherwise never runs there."""
+    monkeypatch.delenv("ATTNCC_TIER", raising=False)
+    rel, alibi = _variant("rel_bias"), _variant("alibi")
+    table = rel.captures[0].tensor
+    grid = attncc.Variant(lambda s, b, h, q, k: s + table[h, q + k])  # both positions, not their difference
+
+    def tier(variant):
+        spec = Spec("bfloat16", 128, 128, 1, "cuda-sm90", tier="gluon")
+        return tiers.choose_backward(variant, spec, (0,), False, 4096)
+
+    monkeypatch.setattr(tiers, "padded_views", lambda: True)
+    assert tier(rel)[0] == "gluon"
+    assert tier(alibi) == ("triton", tier(alibi)[1]) and "measured slower" in tier(alibi)[1]
+    assert tier(grid)[0] == "triton" and "other than through q_idx - kv_idx" in tier(grid)[1]
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    assert tier(alibi)[0] == "gluon" and tier(grid)[0] == "triton"
+    monkeypatch.setattr(tiers, "padded_views", lambda: False)
+    assert tier(rel)[0] == "triton" and "padded view" in tier(rel)[1]
+
+
 # Rendered Gluon kernels kept whole under tests/snapshots/sm90/: a change to the templates, the plan
 # or the printer that alters one shows here as a diff to read (pytest --update-snapshots rewrites them)
 SNAPSHOTS = Path(__file__).parent / "snapshots" / "sm90"
@@ -332,7 +355,8 @@ else:
                      dict(HEAD_DIM=d, BLOCK_M=64, HAS_DLSE=True, num_warps=4))
     compile_for_sm90(module.attn_bwd_dq, [torch.zeros(B * H * triton.cdiv(Lq, block_m) * block_m * d), q, *q.stride(), H, Lq],
                      dict(BLOCK_M=block_m, HEAD_DIM=d, num_warps=4))
-assert compiled.metadata.shared > 0 and "wgmma" in compiled.asm["ptx"]
+assert 0 < compiled.metadata.shared <= 232448, compiled.metadata.shared  # an H100's / H200's 227 KiB a block
+assert "wgmma" in compiled.asm["ptx"]
 adds = [line for line in compiled.asm["ptx"].splitlines() if "red.global" in line or "atom.global" in line]
 print("atomics", sum(".add.f32" in line for line in adds), "vector", sum(".add.v" in line for line in adds),
       "ordered", sum("relaxed" not in line for line in adds))
@@ -357,7 +381,8 @@ CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG, "
     ("bwd", "document", 128, 1, "bfloat16"), ("bwd", "document", 64, 2, "float16"),  # tile lists (block-sparse)
     ("bwd", "sliding_window", 128, 1, "bfloat16"), ("bwd", "prefix_lm", 128, 1, "bfloat16"),  # masks as row intervals
     ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
-    ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16")] + [  # dcap atomics
+    ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16"),  # dcap atomics
+    ("bwd-learn", "rel_bias", 128, 1, "bfloat16"), ("bwd-learn", "rel_bias", 64, 2, "float16")] + [  # per diagonal
     # context parallelism's kernels at chunk positions (Q_OFF, KV_OFF)
     ("fwd-cp", "causal", 128, 1, "bfloat16"), ("fwd-cp", "sliding_window", 128, 4, "float16"),
     ("fwd-cp", "alibi", 64, 1, "bfloat16"), ("fwd-cp", "full", 64, 2, "bfloat16"),
@@ -381,7 +406,9 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     helper, param = (module._tile, "p") if kind.startswith("fwd") else (module._program, "p")
     assert not isinstance(inspect.signature(helper.fn).parameters[param].annotation, str)
     shapes = [list(c.tensor.shape) for c in variant.captures]
-    for triton_dir in [None] + ([TRITON_36] if TRITON_36 else []):  # this Triton, then the GPU machines' 3.6
+    # this Triton, then the GPU machines' 3.6 (a relative-position table's gradient: 3.6's Gluon only)
+    local = [None] if kind != "bwd-learn" or name != "rel_bias" or tiers.padded_views() else []
+    for triton_dir in local + ([TRITON_36] if TRITON_36 else []):
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNCC_INTERPRET")}
         env["TRITON_CACHE_DIR"] = str(tmp_path / f"triton{'-3.6' if triton_dir else ''}")
         if triton_dir:
@@ -391,9 +418,11 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
         assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
         assert not triton_dir or "triton 3.6." in result.stdout, result.stdout  # the folder's Triton ran
         if kind == "bwd-learn":  # one atomic instruction per gradient, loop (masked, whole) and consumer: a
-            # value the layout holds twice per thread would be added twice
+            # value the layout holds twice per thread would be added twice; a relative-position table's
+            # diagonal sums two for each 64 query columns of the tile
             grads = plan.build("bwd", variant.analysis, spec, variant.captures).grads
-            assert f"atomics {4 * len(grads)} " in result.stdout, result.stdout
+            want = sum(4 * (2 * (128 if d == 64 else 64) // 64 if g.reduce == "diag" else 1) for g in grads)
+            assert f"atomics {want} " in result.stdout, result.stdout
         if "atomics" in result.stdout:  # sums, not synchronisation: relaxed (an acq_rel atomic orders memory)
             assert " ordered 0" in result.stdout, result.stdout
 

@@ -140,8 +140,9 @@ def test_auto_tier_takes_two_warp_groups_at_head_dim_64(name, monkeypatch):
 
 
 def test_gluon_forward_feeds_the_backward(monkeypatch):
-    """A learnable relative-position table: the Gluon forward's output and lse drive the Triton
-    tier's backward; gradients equal those after a Triton-tier forward."""
+    """A learnable relative-position table, ATTNCC_TIER=gluon: the Gluon forward's output and lse
+    drive the Gluon backward (the table's gradient summed per tile diagonal); gradients equal the
+    Triton tier's."""
     grads = []
     for tier in ("gluon", "triton"):
         monkeypatch.setenv("ATTNCC_TIER", tier)
@@ -290,7 +291,7 @@ def test_gluon_backward_tier_choice(monkeypatch):
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)  # noqa: E731
     relative = lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L - 1]  # noqa: E731
     for tier, mod, kwargs, want in (("auto", alibi, {}, "triton"), ("gluon", alibi, {}, "gluon"),
-                                    ("gluon", relative, {}, "triton"), ("gluon", alibi, {"deterministic": True}, "triton")):
+                                    ("gluon", relative, {}, "gluon"), ("gluon", alibi, {"deterministic": True}, "triton")):
         monkeypatch.setenv("ATTNCC_TIER", tier)
         attncc.api._loaded.clear()
         attncc.attention(q, k, v, mod, **kwargs).sum().backward()
@@ -334,6 +335,9 @@ LEARNABLE = {  # name -> builder of (score_mod, mask_mod, learnable tensors) for
     "row_biases": lambda H, L: (lambda qb, kb: (lambda s, b, h, q, k: s + torch.tanh(s / 4) * (qb[h, q] + kb[k]), None,
                                                (qb, kb)))(
         torch.randn(H, L, device="cuda", requires_grad=True), torch.randn(L, device="cuda", requires_grad=True)),
+    # a relative-position table (index q_idx - kv_idx): summed per diagonal of the tile, an atomic a diagonal
+    "relative_table": lambda H, L: (lambda t: (lambda s, b, h, q, k: s + t[h, q - k + L - 1], None, (t,)))(
+        torch.randn(H, 2 * L - 1, device="cuda", requires_grad=True)),
 }
 
 

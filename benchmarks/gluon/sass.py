@@ -3,7 +3,7 @@ usage (registers, stack) and the instruction counts of each loop of its SASS, th
 notes quote (masked / unmasked key steps, spills inside loops).
 
     ATTNCC_TRITON_36=DIR python benchmarks/gluon/sass.py fwd causal 128 [--group 4] [--dtype float16]
-        [--cp] [--sass FILE] [--patch NAME] [--templates DIR]
+        [--cp] [--learn] [--sass FILE] [--patch NAME] [--templates DIR]
 
 KIND is fwd or bwd; NAME one of tests/variants.py's variants (causal, document, alibi, ...) or
 test_gluon_tier's extra ones (trig, row_biases); --cp renders the chunk kernels (Q_OFF, KV_OFF);
@@ -72,6 +72,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--cp", action="store_true", help="the chunk kernels of context parallelism")
     p.add_argument("--split", action="store_true", help="bwd, GQA: a program per query head (float32 dK, dV sums)")
+    p.add_argument("--learn", action="store_true", help="bwd: every captured tensor learnable (its gradient's atomics)")
     p.add_argument("--sass", help="also write the SASS here")
     p.add_argument("--patch", default="", help="a probe patch of the rendered source (timing probes' tables)")
     p.add_argument("--templates", help="render from this templates/ folder (another commit's: git archive)")
@@ -81,8 +82,10 @@ def main():
     runtime._triton(for_cpu=True)
     from test_gluon_tier import COMPILE, _variant
     variant = _variant(args.name, H=2 * args.group)
-    spec = Spec(args.dtype, args.head_dim, args.head_dim, args.group, "cuda-sm90", tier="gluon", offsets=args.cp)
-    kind = args.kind + ("-cp" if args.cp else "-split" if args.split else "")
+    learnable = tuple(range(len(variant.captures))) if args.learn else ()
+    spec = Spec(args.dtype, args.head_dim, args.head_dim, args.group, "cuda-sm90", tier="gluon", offsets=args.cp,
+                learnable=learnable)
+    kind = args.kind + ("-cp" if args.cp else "-split" if args.split else "-learn" if args.learn else "")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.kind}_{args.name}.py"
         sys.path.insert(0, str(Path(__file__).resolve().parent))
