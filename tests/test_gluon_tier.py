@@ -239,14 +239,16 @@ SNAPSHOT_CASES = [("fwd", "causal", 128, 1, "bfloat16"), ("fwd", "full", 64, 1, 
                   ("fwd", "causal", 64, 4, "bfloat16"),  # GQA's query heads packed into the tile (plan.pack_gqa)
                   ("fwd", "document", 128, 1, "bfloat16"),  # a mask reading tensors: tile lists drive the loops
                   ("bwd", "softcap", 128, 1, "bfloat16"), ("bwd", "sliding_window", 64, 2, "bfloat16"),
-                  ("fwd-cp", "causal", 128, 1, "bfloat16"), ("bwd-cp", "prefix_lm", 128, 1, "bfloat16")]
+                  ("fwd-cp", "causal", 128, 1, "bfloat16"), ("bwd-cp", "prefix_lm", 128, 1, "bfloat16"),
+                  ("bwd-learn", "rel_bias", 128, 1, "bfloat16")]  # a relative-position table's diagonal sums
 
 
 @pytest.mark.parametrize("kind,name,d,group,dtype", SNAPSHOT_CASES,
                          ids=[f"{k}-{n}-d{d}-g{g}-{t}" for k, n, d, g, t in SNAPSHOT_CASES])
 def test_rendered_gluon_source_matches_snapshot(kind, name, d, group, dtype, request):
     variant = _variant(name, H=2 * group)
-    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon", offsets=kind.endswith("-cp"))
+    learnable = tuple(range(len(variant.captures))) if kind.endswith("-learn") else ()
+    spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon", offsets=kind.endswith("-cp"), learnable=learnable)
     source = codegen.render(plan.build(kind.split("-")[0], variant.analysis, spec, variant.captures))
     path = SNAPSHOTS / f"{kind}_{name}_d{d}_g{group}_{dtype}.py"
     if request.config.getoption("--update-snapshots"):

@@ -8,7 +8,8 @@ that its M is half the head dim). Prints registers, spills and the SASS's HGMMA 
 
 Triton 3.6, 240 registers (2026-11-27): 64 queries 56 bytes of stack (as the real kernel at head
 dim 128), 80 queries 264 bytes, 176 with the 16 queries' part first. No data moves (shared memory is allocated, never loaded): this is about the code ptxas makes,
-not about numbers. benchmarks/gluon/NOTES.md has the context."""
+not about numbers. benchmarks/gluon/NOTES.md has the context. Since 2026-11-29 moot: FA4's own
+backward forced to 64-query tiles is as fast as at 80 (fa4_tile.py), so this tile is not the gap."""
 import argparse
 import collections
 import os
