@@ -223,7 +223,7 @@ def test_backward_tier_choice_for_learnable_tables(monkeypatch):
 
     monkeypatch.setattr(tiers, "padded_views", lambda: True)
     assert tier(rel)[0] == "gluon"
-    assert tier(alibi) == ("triton", tier(alibi)[1]) and "measured slower" in tier(alibi)[1]
+    assert tier(alibi)[0] == "triton" and "measured slower" in tier(alibi)[1]
     assert tier(grid)[0] == "triton" and "other than through q_idx - kv_idx" in tier(grid)[1]
     monkeypatch.setenv("ATTNCC_TIER", "gluon")
     assert tier(alibi)[0] == "gluon" and tier(grid)[0] == "triton"
