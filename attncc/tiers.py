@@ -172,29 +172,31 @@ def padded_views() -> bool:
     return hasattr(shared_memory_descriptor, "_reinterpret")
 
 
-def _tables_by_difference(variant, captures) -> bool:
-    """Whether the score_mod reads each of the captured tensors numbered ``captures`` only at indices
-    of q_idx - kv_idx (relative-position tables)."""
+def _index_kinds(variant, captures) -> list[str]:
+    """How the score_mod indexes each load of the captured tensors numbered ``captures``: "difference"
+    (both q_idx and kv_idx, through q_idx - kv_idx only: a relative-position table), "both" (both
+    otherwise) or "other"."""
     from .passes import derive
     from .passes.symbolic import KV, Q
     from .plan import _reads_difference_only
     score = variant.analysis.score
     sites = [site for c in captures for site in derive.load_sites(score, c)] if score is not None else []
-    return bool(sites) and all(site.args and {Q, KV} <= set().union(*(i.free_symbols for i in site.args))
-                               and _reads_difference_only(site.args) for site in sites)
+    return ["other" if not site.args or not {Q, KV} <= set().union(*(i.free_symbols for i in site.args))
+            else "difference" if _reads_difference_only(site.args) else "both" for site in sites]
+
+
+def _tables_by_difference(variant, captures) -> bool:
+    """Whether the score_mod reads each of the captured tensors numbered ``captures`` only at indices
+    of q_idx - kv_idx (relative-position tables)."""
+    kinds = _index_kinds(variant, captures)
+    return bool(kinds) and all(k == "difference" for k in kinds)
 
 
 def _indexed_by_both_positions(variant, captures, but_difference: bool = False) -> bool:
     """Whether the score_mod loads one of the captured tensors numbered ``captures`` at an index
     that reads both q_idx and kv_idx (``but_difference``: other than through q_idx - kv_idx only, as
     a relative-position table does)."""
-    from .passes import derive
-    from .passes.symbolic import KV, Q
-    from .plan import _reads_difference_only
-    score = variant.analysis.score
-    sites = [site for c in captures for site in derive.load_sites(score, c)] if score is not None else []
-    return any({Q, KV} <= set().union(*(i.free_symbols for i in site.args))
-               and not (but_difference and _reads_difference_only(site.args)) for site in sites if site.args)
+    return any(k == "both" or (k == "difference" and not but_difference) for k in _index_kinds(variant, captures))
 
 
 _chosen: dict = {}  # (variant, target, dtype, head dims, dropout, ATTNCC_TIER) -> (tier, why): per call
