@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from . import autograd, cache, codegen, config, inference, ir, runtime, tiers
+from . import autograd, cache, codegen, config, inference, ir, runtime, tiers, toolchain
 from .checks import MAX_HEAD_DIM
 from .errors import AttnccError
 from .log import logger
@@ -249,6 +249,7 @@ class CompiledAttention:
                 line += f"; from {longer} keys: {tier}" + (f" ({why})" if tier == "gluon" else "")
             lines.append(line)
         lines.append("  other GPUs, float32 and the interpreter: triton; inference kernels: triton")
+        lines.append(f"  the Gluon backward's ptxas (attncc.toolchain; ATTNCC_PTXAS=auto|triton|PATH): {toolchain.describe()}")
         paths = [str(p) for (key, _, _), (p, _) in _loaded.items() if key == v.ir_key]
         lines += ["", "Generated kernels in this process:"] + (["  " + p for p in paths] or ["  (none yet)"])
         lines += [f"Kernel cache folder: {cache.folder()}"]

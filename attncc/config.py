@@ -124,6 +124,15 @@ def tier() -> str:
     return _descriptor_mode("ATTNCC_TIER", TIERS)
 
 
+def ptxas() -> str:
+    """$ATTNCC_PTXAS = auto | triton | PATH: which ptxas assembles the modules that ask for the newest
+    (the Gluon backward): ``auto`` (default) the newest CUDA toolkit's found where it is newer than
+    Triton's and the driver runs its code, ``triton`` Triton's own, or the ptxas at PATH
+    (attncc.toolchain). Read when such a module's kernel compiles."""
+    raw = _env("ATTNCC_PTXAS", "").strip()
+    return raw if raw and raw.lower() not in ("auto", "triton") else (raw.lower() or "auto")
+
+
 def _descriptor_mode(var: str, modes=DESCRIPTOR_MODES) -> str:
     """A knob taking one of ``modes`` (default auto); AttnccError naming it otherwise."""
     raw = _env(var)

@@ -14,6 +14,8 @@ a key is first launched, not again. ``ATTNCC_DIRECT_LAUNCH=0`` makes every launc
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 
 import torch
@@ -30,10 +32,12 @@ class Launcher:
     **kwargs)`` launches exactly what ``fn[grid](*args, **kwargs)`` would, on the GPU that holds the
     first argument, or the tensor of a first TMA descriptor (Triton launches on the current
     device; a tensor on another GPU faults there).
-    ``direct=False``: always through Triton's launch."""
+    ``direct=False``: always through Triton's launch. ``compiling``: a context for Triton's
+    launches, which may compile (attncc.toolchain.compiling: the ptxas the module asks for)."""
 
-    def __init__(self, fn, direct: bool = True):
+    def __init__(self, fn, direct: bool = True, compiling=contextlib.nullcontext):
         self.fn = fn
+        self._compiling = compiling
         params = fn.params
         # per argument: FREE (Triton never specialises on its value: only an int's width counts),
         # CONST (a tl.constexpr: its value is compiled in) or SPECIALISED
@@ -68,7 +72,8 @@ class Launcher:
         hit = self._kernels.get(key) if key is not None and not (
             _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
         if hit is None:
-            kernel = self.fn[grid](*args, **kwargs)
+            with self._compiling():
+                kernel = self.fn[grid](*args, **kwargs)
             if key is not None and kernel is not None:
                 if len(self._kernels) >= MAX_KEYS:  # exact int values: many lengths, many keys
                     self._kernels.clear()
@@ -84,7 +89,8 @@ class Launcher:
             logger.warning("attncc.launcher: direct launch of %s failed (%s); using Triton's launch from now on",
                            self.fn, e)
             self._kernels, self._direct = {}, False
-            return self.fn[grid](*args, **kwargs)
+            with self._compiling():
+                return self.fn[grid](*args, **kwargs)
         return kernel
 
     def device_and_stream(self):
@@ -160,8 +166,10 @@ class Serialised:
 
 
 def wrap(module, direct: bool = True, interpret: bool = False) -> None:
-    """Launch the kernels a generated module names in HOST_KERNELS through Launchers (compiled)
-    or one at a time (interpreted)."""
+    """Launch the kernels a generated module names in HOST_KERNELS through Launchers (compiled;
+    compiled with the ptxas the module asks for) or one at a time (interpreted)."""
+    from . import toolchain
+    compiling = functools.partial(toolchain.compiling, module)
     for name in getattr(module, "HOST_KERNELS", ()):
         fn = getattr(module, name)
-        setattr(module, name, Serialised(fn) if interpret else Launcher(fn, direct))
+        setattr(module, name, Serialised(fn) if interpret else Launcher(fn, direct, compiling))

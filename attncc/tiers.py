@@ -46,8 +46,9 @@ GLUON_PAYS_SCORED = {128: 2048, 64: 16384}
 # ... and where the score_mod loads a captured tensor at an index of both q_idx and kv_idx (a table
 # gathered per score), head dim -> the shortest length (same runs, relative bias causal):
 # 16x32x1024x64 0.775 / 0.432, 8x32x2048 1.284 / 0.571, 4x32x4096 2.307 / 0.980, 2x32x8192 4.287 /
-# 2.014, 1x32x16384 8.150 / 3.686
-GLUON_PAYS_GATHERED = {64: 1024}
+# 2.014, 1x32x16384 8.150 / 3.686; at head dim 128 (H200, 2026-11-29, fifteenth session) 32x16x512
+# 0.345 / 0.197, 16x16x1024 0.507 / 0.257, 8x16x2048 0.829 / 0.371
+GLUON_PAYS_GATHERED = {128: 512, 64: 1024}
 # ... and where the mask bands the keys (a sliding window: two consumer warp groups; three measured
 # 1.2-1.8x slower), head dim -> the shortest length (H200, 2026-11-29, gluon_fwd_probe.py in turn,
 # three rounds, sliding window 1024, Triton / Gluon ms): 16x32x1024x64 0.244 / 0.229, 4x32x4096

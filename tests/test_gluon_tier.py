@@ -102,6 +102,10 @@ def test_tier_choice(monkeypatch):
         assert tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2048)[0] == "gluon"
         tier, reason = tiers.choose(_variant(name), "cuda-sm90", "bfloat16", 128, 128, False, length=2047)
         assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
+    # ... and one that gathers a table by position from 512
+    assert tiers.choose(_variant("rel_bias"), "cuda-sm90", "bfloat16", 128, 128, False, length=512)[0] == "gluon"
+    tier, reason = tiers.choose(_variant("rel_bias"), "cuda-sm90", "bfloat16", 128, 128, False, length=511)
+    assert tier == "triton" and "(< 512)" in reason, reason
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 128, 128, False, length=17)[0] == "gluon"
     # ... and with two warp groups at head dim 64: a score_mod from 16384, one that gathers a table
     # by position from 1024 (ALiBi's slopes are read per head: not a gather), a banded mask from 1024

@@ -8,7 +8,8 @@ bf16). Patched kernels compute wrong gradients where a patch drops work: they ar
 
 A patch @DIR renders the kernel from another templates/ folder (an earlier commit's: `git archive
 COMMIT templates | tar -x -C DIR`), so that a template change is timed in turn against the kernel
-it replaces.
+it replaces. A patch ptxas=PATH compiles the kernel with another ptxas (e.g. CUDA 13.0's,
+/usr/local/cuda-13.0/bin/ptxas on the GPU machines; Triton 3.6 bundles 12.8's).
 """
 import argparse
 import dataclasses
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bwd_patches import PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, peer_fn, plan_edits, print_table, sparse_lists, time_cell  # noqa: E402
+from probe_common import apply, compiler, peer_fn, plan_edits, print_table, sparse_lists, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 
@@ -92,7 +93,8 @@ def main():
                 def fn(m=module, gs=grads, b=lists):
                     m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale, blocks=b)
                 fns[patch] = fn
-                fn()
+                with compiler(patch):  # compiles it
+                    fn()
                 # the largest error of dq, dk, dv against the Triton tier's, relative to its largest gradient
                 errs = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(grads, want)]
                 errors[patch] = float("nan") if any(e != e for e in errs) else max(errs)

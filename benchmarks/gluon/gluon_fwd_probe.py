@@ -9,7 +9,8 @@ largest error of each output against the Triton tier's.
 The kernel is what the plan renders for the variant (three consumer warp groups where
 plan.wide_forward grants them). Patches: fwd_patches.py's text edits (benchmarks/gluon/NOTES.md),
 probe_common.py's plan patches (`wide` / `narrow`: three / two consumer warp groups at head dim
-64), and @DIR, the kernel rendered from another templates/ folder (as in gluon_bwd_probe.py).
+64), @DIR, the kernel rendered from another templates/ folder (as in gluon_bwd_probe.py), and
+ptxas=PATH, the kernel compiled by another ptxas (probe_common.compiler).
 """
 import argparse
 import os
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fwd_patches import OPTIONAL, PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, build_plan, peer_fn, print_table, sparse_lists, time_cell  # noqa: E402
+from probe_common import apply, build_plan, compiler, peer_fn, print_table, sparse_lists, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 def main():
@@ -76,7 +77,8 @@ def main():
                 def fn(m=module, o=out, l=lse, b=lists):  # noqa: E741
                     m.launch(q, k, v, o, l, caps, D ** -0.5, blocks=b)
                 fns[patch] = fn
-                fn()
+                with compiler(patch):  # compiles it
+                    fn()
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 errors[patch] = float("nan") if err != err else err
             peer = peer_fn(args.peer, case, N) if args.peer else None

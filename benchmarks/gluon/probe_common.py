@@ -1,7 +1,10 @@
 """What gluon_fwd_probe.py and gluon_bwd_probe.py share: applying a patch table's text edits to a
 rendered kernel, building a plan with plan patches, timing a cell's kernels in turn, and the
 closing table."""
+import contextlib
 import dataclasses
+import os
+import tempfile
 
 import torch
 
@@ -45,6 +48,27 @@ def build_plan(kind, variant, spec, patch=""):
     return dataclasses.replace(built, **plan_edits(patch))
 
 
+@contextlib.contextmanager
+def compiler(patch):
+    """While a `ptxas=PATH` patch's kernel compiles: Triton's ptxas replaced by PATH (another CUDA's,
+    e.g. /usr/local/cuda-13.0/bin/ptxas), in a cache of its own so that the base kernel's cubin is not
+    taken for it (the cache key holds ptxas's version only once a process). Other patches: nothing."""
+    if not patch.startswith("ptxas="):
+        yield
+        return
+    keys = ("TRITON_PTXAS_PATH", "TRITON_CACHE_DIR", "TRITON_ALWAYS_COMPILE")
+    old = {key: os.environ.get(key) for key in keys}
+    os.environ.update(zip(keys, (patch[len("ptxas="):], tempfile.mkdtemp(), "1")))
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def sparse_lists(module, variant, spec, captures, B, H, N, device):
     """A data-dependent mask's tile lists for `module` (attncc.blocks), as a call makes them; None
     for the other masks."""
@@ -59,7 +83,7 @@ def sparse_lists(module, variant, spec, captures, B, H, N, device):
 def apply(text, patch, table, optional=()):
     """text with the edits of `patch` ("a+b" joins table entries) applied; an old text that does not
     occur stops the probe, unless it starts with one of `optional` (a flag the render may have set)."""
-    parts = [part for part in patch.split("+") if part not in PLAN_PATCHES]
+    parts = [part for part in patch.split("+") if part not in PLAN_PATCHES and not part.startswith("ptxas=")]
     for old, new in [edit for part in parts for edit in table[part]]:
         if old in text:
             text = text.replace(old, new)
