@@ -12,7 +12,7 @@ from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import H, KV, Q, SCORE
 from .spec import Spec, sm  # Spec is re-exported: plan.Spec
-from .tiles import pow2, choose_tiles, gluon_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
+from .tiles import pow2, choose_tiles, gluon_tiles, gathers_per_entry, gathers_per_score, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
 from .variant import Analysis
 
 # the outer tile's first and last index, as the kernels name them
@@ -445,6 +445,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
     mask_class = _mask_class(f, fwd_bounds)
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
+    gathers = score is not None and gathers_per_score(score)  # a table read per score (tiles.gluon_tiles)
     row_max_tree = kernel == "fwd" and gluon and not three
     probs_in_pairs = spec.dtype in ("bfloat16", "float16") and (row_max_tree or three)
     packs = kernel == "fwd" and gluon and not block_sparse and packs_gqa(f, mask_class, spec.head_dim, spec.group,
@@ -465,6 +466,9 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         fns = {**fns, "attn_fwd_ws": set()}
     if short:
         fns = {**fns, "attn_fwd_short": set()}
+    # the Gluon backward sums a relative-position table's gradient per 64 x 64 tile (sm90/bwd_diagonals.py.jinja);
+    # such a table is read per score, so its query tiles are 64 (tiles.gluon_tiles)
+    assert not (gluon and any(g.reduce == "diag" for g in grads)) or gathers, "diagonal sums need query tiles of 64"
     return KernelPlan(
         kernel=kernel, attncc_version=__version__, target=spec.target, dtype=spec.dtype,
         head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
@@ -474,7 +478,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         score_identity=f.score_identity, dscore_one=dscore_one, captures=caps,
         fold_scale=f.score_identity and spec.positive_scale and (gluon or kernel == "kv" or (kernel == "fwd" and (tma or (ws and not ws_limit) or d <= 64))),
         score_broadcast=SCORE not in analysis.score.free_symbols or bool(analysis.score.is_integer),
-        tiles=gluon_tiles(kernel, spec, dscore_one, whole_tiles, three) if gluon else {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
+        tiles=gluon_tiles(kernel, spec, dscore_one, whole_tiles, three, gathers) if gluon else
+        {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
         mods=mods, row_dots=row_dots,
         bounds=tile_bounds, grads=grads,
         log2_bias=log2_bias, atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,

@@ -27,7 +27,7 @@ class Tiles:
 
 
 def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: bool = True,
-                three_groups: bool = False) -> dict:
+                three_groups: bool = False, gathers: bool = False) -> dict:
     """The Gluon kernels' tiles (templates/sm90). Forward: 64 query rows per consumer warp group,
     key tiles of 128, two K/V stages at head dim 128 and three at 64, as measured
     (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower); two consumer
@@ -43,9 +43,14 @@ def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: b
     with tiles of 64), and so does the mask code of 128-row steps (causal: 104 bytes): a mask
     whose tile bounds leave no whole tile runs every step with it (H100, a document mask,
     4x32x4096x64 / 1x32x16384x64: 3.049 / 10.936 ms with tiles of 128, 2.399 / 8.561 with 64;
-    causal 1.757 / 5.979 against 1.823 / 6.204)."""
+    causal 1.757 / 5.979 against 1.823 / 6.204). So does a table gathered per score (``gathers``,
+    gathers_per_score: the relative bias's 128-row step spilled 34-62 words a thread, 105-174 with
+    its table learnable; H200, causal relative bias 4x32x4096x64 / 1x32x16384x64, 128 against 64:
+    3.78 / 13.84 ms against 2.19 / 7.75, learnable 6.69 / 23.9 against 3.46 / 12.9; ALiBi, whose
+    bias is computed, keeps 128: 1.905 / 6.319 against 1.908 / 6.821)."""
     if kernel == "bwd":
-        return {"attn_bwd": Tiles(128 if spec.head_dim <= 64 and dscore_one and whole_tiles else 64, 64, 4, 2)}
+        wide = spec.head_dim <= 64 and dscore_one and whole_tiles and not gathers
+        return {"attn_bwd": Tiles(128 if wide else 64, 64, 4, 2)}
     return {"attn_fwd": Tiles(64, 128, 12 if three_groups else 8, 2 if spec.head_dim > 64 else 3)}
 
 
@@ -209,6 +214,13 @@ def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> i
     if spec.dtype == "float32" or d != 128 or gathers_per_entry(score):
         return 0
     return SHORT_KV[0] if facts.score_identity and (spec.group > 1 or spec.dropout) else SHORT_KV[1]
+
+
+def gathers_per_score(expr) -> bool:
+    """A captured tensor read at an index that changes with both q_idx and kv_idx (a relative-position
+    table): a value per score, loaded in every step."""
+    return any({Q, KV} <= set().union(*(a.free_symbols for a in load.args))
+               for load in expr.atoms(sp.core.function.AppliedUndef))
 
 
 def gathers_per_entry(expr) -> bool:

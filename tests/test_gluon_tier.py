@@ -425,24 +425,26 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
         assert not triton_dir or "triton 3.6." in result.stdout, result.stdout  # the folder's Triton ran
         if kind == "bwd-learn":  # one atomic instruction per gradient, loop (masked, whole) and consumer: a
             # value the layout holds twice per thread would be added twice; a relative-position table's
-            # diagonal sums two for each 64 query columns of the tile
+            # diagonal sums two (a tile's query columns are 64)
             grads = plan.build("bwd", variant.analysis, spec, variant.captures).grads
-            want = sum(4 * (2 * (128 if d == 64 else 64) // 64 if g.reduce == "diag" else 1) for g in grads)
+            want = sum(4 * (2 if g.reduce == "diag" else 1) for g in grads)
             assert f"atomics {want} " in result.stdout, result.stdout
         if "atomics" in result.stdout:  # sums, not synchronisation: relaxed (an acq_rel atomic orders memory)
             assert " ordered 0" in result.stdout, result.stdout
 
 
 def test_gluon_backward_query_tiles():
-    """Head dim 64 takes query tiles of 128 where the score_mod's derivative is 1 and the mask
-    leaves whole tiles; a dscore tile (softcap) beside them spilled 360 bytes per thread, and a
-    mask whose bounds leave no whole tile runs every 128-row step with its spilling mask code:
-    those keep tiles of 64, as head dim 128."""
+    """Head dim 64 takes query tiles of 128 where the score_mod's derivative is 1, it reads no table
+    per score and the mask leaves whole tiles; a dscore tile (softcap) or a gathered bias (relative
+    bias) beside them spilled, and a mask whose bounds leave no whole tile runs every 128-row step
+    with its spilling mask code: those keep tiles of 64, as head dim 128."""
     def tiles(name, d):
         variant = name if isinstance(name, attncc.Variant) else _variant(name)
         spec = Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon")
         return plan.build("bwd", variant.analysis, spec, variant.captures).tiles["attn_bwd"].block_m
     assert [tiles(n, 64) for n in ("full", "causal", "alibi", "softcap", "document")] == [128, 128, 128, 64, 64]
+    # ... and so does a table gathered per score (the relative bias's 128-row step spilled); ALiBi's bias is computed
+    assert tiles("rel_bias", 64) == 64
     stripes = attncc.Variant(mask_mod=lambda b, h, q, k: (q // 64) % 2 == (k // 64) % 2)  # no whole tile derivable
     assert tiles(stripes, 64) == 64
     assert [tiles(n, 128) for n in ("full", "softcap")] == [64, 64]

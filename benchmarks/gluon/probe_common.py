@@ -8,6 +8,8 @@ import tempfile
 
 import torch
 
+from attncc.tiles import Tiles
+
 
 # patches that are edits of the plan (dataclasses.replace) rather than of the rendered text
 PLAN_PATCHES = {
@@ -24,6 +26,8 @@ PLAN_PATCHES = {
     # the forward's plan built with three / two consumer warp groups at head dim 64 (gluon_fwd_probe.py)
     "wide": {},
     "narrow": {},
+    # the backward with query tiles of 64 where the plan takes 128 (head dim 64)
+    "bwd-m64": {"tiles": {"attn_bwd": Tiles(64, 64, 4, 2)}},
 }
 
 
