@@ -28,7 +28,7 @@ from .errors import AttnccError
 from .log import logger
 
 SEARCHED = ("$CUDA_HOME/bin", "$CUDA_PATH/bin", "/usr/local/cuda/bin", "/usr/local/cuda-*/bin")
-_LOCK = threading.Lock()  # the environment is the process's: one module compiles under it at a time
+_LOCK = threading.RLock()  # the environment is the process's: one module compiles under it at a time
 
 
 class Ptxas(NamedTuple):
