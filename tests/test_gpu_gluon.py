@@ -4,6 +4,7 @@ fully masked rows, (B, L, H, D) views, a learnable capture's gradient through it
 tier choice. Run with ``python -m pytest -m gpu tests/test_gpu_gluon.py`` on an sm90 machine."""
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -277,6 +278,40 @@ def test_gluon_backward_scales_the_lse_start_cannot_take(scale, monkeypatch):
             assert ((g.double() - w).norm() / w.norm()).item() < BWD_TOL[torch.bfloat16], label
         else:
             assert (g == 0).all(), label
+
+
+def test_gluon_backward_compiles_with_the_newest_ptxas(tmp_path, monkeypatch):
+    """Where a CUDA toolkit newer than Triton's ptxas is installed (attncc.toolchain), the Gluon
+    backward's kernels compile with it, into a Triton cache folder of their own, and compute the
+    same gradients as with Triton's ptxas; the forward keeps Triton's."""
+    from attncc import toolchain
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    monkeypatch.delenv("ATTNCC_PTXAS", raising=False)
+    tool = toolchain.choose("auto", None)
+    if tool is None:
+        pytest.skip("no CUDA toolkit here with a ptxas newer than Triton's that the driver runs")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ATTNCC_TIER", "gluon")
+    grads = []
+    for setting in ("auto", "triton"):
+        monkeypatch.setenv("ATTNCC_PTXAS", setting)
+        monkeypatch.setattr(attncc.api, "_loaded", {})
+        monkeypatch.setattr(attncc.runtime, "_modules", {})  # loaded afresh: Triton compiles them again
+        monkeypatch.setattr(attncc.runtime, "_launched", set())
+        torch.manual_seed(8)
+        q, k, v = (torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        out = attncc.attention(q, k, v, None, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+        assert _bwd_modules("gluon")
+        newest = tmp_path / ("ptxas-%d.%d" % tool.version)
+        assert newest.is_dir() and any(newest.iterdir()), setting
+        if setting == "auto":
+            assert os.environ.get("TRITON_PTXAS_PATH") is None  # set only while compiling
+            first = set(newest.iterdir())
+    assert set(newest.iterdir()) == first  # Triton's ptxas wrote to the usual cache, not this one
+    for g, w in zip(*grads):
+        assert torch.equal(g, w) or ((g.double() - w.double()).norm() / w.double().norm()).item() < 1e-3
 
 
 def test_gluon_backward_tier_choice(monkeypatch):
