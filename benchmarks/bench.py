@@ -351,8 +351,8 @@ def environment(args):
     import triton
     from attncc import toolchain
     return dict(gpu=gpu_name(), torch=torch.__version__, triton=triton.__version__, attncc=attncc.__version__,
-                attncc_commit=git_commit(), cuda=torch.version.cuda, gluon_bwd_ptxas=toolchain.describe(), dtype=str(DTYPE).removeprefix("torch."),
-                warmup_ms=args.warmup, rep_ms=args.rep, date=time.strftime("%Y-%m-%d %H:%M"))
+                attncc_commit=git_commit(), cuda=torch.version.cuda, gluon_bwd_ptxas=toolchain.describe(),
+                dtype=str(DTYPE).removeprefix("torch."), warmup_ms=args.warmup, rep_ms=args.rep, date=time.strftime("%Y-%m-%d %H:%M"))
 
 
 def parse_args(argv=None):

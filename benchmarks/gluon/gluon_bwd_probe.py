@@ -8,8 +8,9 @@ bf16). Patched kernels compute wrong gradients where a patch drops work: they ar
 
 A patch @DIR renders the kernel from another templates/ folder (an earlier commit's: `git archive
 COMMIT templates | tar -x -C DIR`), so that a template change is timed in turn against the kernel
-it replaces. A patch ptxas=PATH compiles the kernel with another ptxas (e.g. CUDA 13.0's,
-/usr/local/cuda-13.0/bin/ptxas on the GPU machines; Triton 3.6 bundles 12.8's).
+it replaces. The kernels compile with the ptxas attncc.toolchain picks (the newest CUDA toolkit's
+where one is newer than Triton's; ATTNCC_PTXAS=triton for Triton's own); a patch ptxas=PATH
+compiles the kernel with the ptxas at PATH (Triton 3.6's own: its backends/nvidia/bin/ptxas).
 """
 import argparse
 import dataclasses
