@@ -188,6 +188,9 @@ class KernelPlan:
     # s = q.k * (scale * log2(e)) + bias, one FMA per score for the scale, the bias and the change
     # to log2 units (backward and decode kernels, see build)
     log2_bias: bool = False
+    # ... and that bias is a per-query part plus a per-key part (ALiBi): the Gluon backward computes
+    # them ("bias_q", "bias_kv") before S^T is issued and starts S^T's accumulator from them (split_bias)
+    split_bias: bool = False
     block_sparse: bool = False    # the mask reads captured tensors: precomputed tile lists drive the loops
     class_per_head: bool = False  # ... and reads b or h, so each (b, h) has its own tile classes
     atomic_dq: bool = False  # bwd: dq by atomic adds from the dK/dV kernel instead of its own kernel
@@ -381,6 +384,21 @@ def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) 
             and "h" not in facts.mask_reads)
 
 
+# The Gluon backward starts S^T's accumulator from a separable bias as it does from lse (split_bias):
+# prepared, not yet timed on a GPU, so off (benchmarks/gluon/gluon_bwd_probe.py's `split-bias` turns it on)
+SPLIT_BIAS = False
+
+
+def split_bias(bias):
+    """(the terms of ``bias`` that read q_idx, the others) where no term reads both q_idx and kv_idx
+    (ALiBi's slope * (kv_idx - q_idx)); None otherwise (a table at q_idx - kv_idx, |q_idx - kv_idx|)."""
+    terms = sp.Add.make_args(sp.expand(bias))
+    if any({Q, KV} <= t.free_symbols for t in terms):
+        return None
+    return (printer.float_positions(sp.Add(*[t for t in terms if Q in t.free_symbols])),
+            printer.float_positions(sp.Add(*[t for t in terms if Q not in t.free_symbols])))
+
+
 def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPlan:
     """The plan for the forward ('fwd') or backward ('bwd') kernels of a variant under a Spec."""
     f = analysis.facts
@@ -396,8 +414,12 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     # everywhere: one cross-run reading had its backward slower with the log2 form, never
     # rechecked side by side.
     log2_bias = kernel != "fwd" and score is not None and f.score_bias and not gathers_per_entry(score)
+    gluon = kernel in ("fwd", "bwd") and spec.tier == "gluon"
+    parts = split_bias(LOG2E * (score - SCORE)) if log2_bias and gluon and SPLIT_BIAS and not spec.learnable else None
     outputs = []
-    if score is not None:
+    if parts is not None:
+        outputs += [("bias_q", parts[0]), ("bias_kv", parts[1])]
+    elif score is not None:
         outputs.append(("bias", LOG2E * (score - SCORE)) if log2_bias else ("score_mod", score))
     if kernel != "fwd":
         outputs = [(label, printer.float_positions(e)) for label, e in outputs]
@@ -407,7 +429,6 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     dscore_one = f.score_bias  # d score_mod / d score == 1: the backward reads no dscore
     of_value = None  # dscore over score_mod's value (bwd: dscore_late)
     interp = spec.target == "interpreter"
-    gluon = kernel in ("fwd", "bwd") and spec.tier == "gluon"
     lang = "gl" if gluon else "tl"
     if kernel == "fwd":
         fns = {"attn_fwd": {KV}}
@@ -482,7 +503,8 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
         {fn: choose_tiles(fn, spec, block_sparse, mask_class) for fn in _tiled(fns)},
         mods=mods, row_dots=row_dots,
         bounds=tile_bounds, grads=grads,
-        log2_bias=log2_bias, atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
+        log2_bias=log2_bias, split_bias=parts is not None,
+        atomic_dq=spec.atomic_dq, dropout=spec.dropout, deterministic=spec.deterministic,
         split_d=split_dim(spec.head_dim),
         tma=tma, ws=ws, ws_kv=ws_limit,
         block_sparse=block_sparse and kernel != "kv", class_per_head=block_sparse and bool({"b", "h"} & set(f.mask_reads)),

@@ -843,6 +843,7 @@ def test_gluon_reversed_columns_in_torch(tmp_path):
 
 BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix_lm", 128, True), ("alibi", 128, True),
                   ("softcap", 128, False), ("softcap", 64, True), ("full", 64, False), ("trig", 128, False),
+                  ("alibi-split", 128, False), ("alibi-split", 64, True),  # the bias in S^T's start (plan.split_bias)
                   ("alibi-learn", 128, True), ("row_biases-learn", 64, False),  # capture gradients: per-step sums, atomics
                   ("rel_bias-learn", 128, True), ("rel_bias-learn", 64, False),  # per diagonal (_diagonal_sums)
                   ("alibi-gqa", 64, False), ("causal-gqa", 128, True),  # GQA 2: query heads in one program or one each
@@ -852,14 +853,18 @@ BWD_STEP_CASES = [("causal", 128, False), ("sliding_window", 64, True), ("prefix
 @pytest.mark.parametrize("name,d,offsets", BWD_STEP_CASES, ids=_step_ids(BWD_STEP_CASES))
 def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     from types import SimpleNamespace
+    from unittest import mock
     from attncc import blocks
+    name_and_flags = name
     name, learn, group = name.split("-")[0], name.endswith("-learn"), 2 if name.endswith("-gqa") else 1
     sparse = _sparse_masks(1000)
     variant = attncc.Variant(None, sparse[name]) if name in sparse else _variant(name, H=2)
     caps = [c.tensor for c in variant.captures]
     learnable = tuple(range(len(caps))) if learn else ()
     spec = Spec("bfloat16", d, d, group, "cuda-sm90", tier="gluon", offsets=offsets, learnable=learnable)
-    built = plan.build("bwd", variant.analysis, spec, variant.captures)
+    with mock.patch.object(plan, "SPLIT_BIAS", plan.SPLIT_BIAS or name_and_flags.endswith("-split")):
+        built = plan.build("bwd", variant.analysis, spec, variant.captures)
+    assert built.split_bias == name_and_flags.endswith("-split")
     source = codegen.render(built)
     path = tmp_path / "bwd.py"
     path.write_text(source)

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -387,6 +388,7 @@ CASES = [("fwd", name, 128, 1, "bfloat16") for name in GLUON_VARIANTS + [TRIG, "
     ("bwd", "document", 128, 1, "bfloat16"), ("bwd", "document", 64, 2, "float16"),  # tile lists (block-sparse)
     ("bwd", "sliding_window", 128, 1, "bfloat16"), ("bwd", "prefix_lm", 128, 1, "bfloat16"),  # masks as row intervals
     ("bwd-nofold", "causal", 128, 1, "bfloat16"),  # lse2 read in the step (a scale of 0: FOLD_LSE=False)
+    ("bwd-bias", "alibi", 128, 1, "bfloat16"), ("bwd-bias", "alibi", 64, 2, "float16"),  # plan.split_bias
     ("bwd-learn", "alibi", 128, 1, "bfloat16"), ("bwd-learn", "row_biases", 64, 2, "float16"),  # dcap atomics
     ("bwd-learn", "rel_bias", 128, 1, "bfloat16"), ("bwd-learn", "rel_bias", 64, 2, "float16")] + [  # per diagonal
     # context parallelism's kernels at chunk positions (Q_OFF, KV_OFF)
@@ -401,7 +403,10 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     variant = _variant(name, H=2 * group)
     learnable = tuple(range(len(variant.captures))) if kind == "bwd-learn" else ()
     spec = Spec(dtype, d, d, group, "cuda-sm90", tier="gluon", learnable=learnable, offsets=kind.endswith("-cp"))
-    source = codegen.render(plan.build(kind.split("-")[0], variant.analysis, spec, variant.captures))
+    with mock.patch.object(plan, "SPLIT_BIAS", kind == "bwd-bias"):
+        built = plan.build(kind.split("-")[0], variant.analysis, spec, variant.captures)
+    assert built.split_bias == (kind == "bwd-bias")
+    source = codegen.render(built)
     path = tmp_path / f"{kind}_{name}.py"
     path.write_text(source)
     module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)

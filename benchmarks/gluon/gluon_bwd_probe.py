@@ -13,7 +13,6 @@ where one is newer than Triton's; ATTNCC_PTXAS=triton for Triton's own); a patch
 compiles the kernel with the ptxas at PATH (Triton 3.6's own: its backends/nvidia/bin/ptxas).
 """
 import argparse
-import dataclasses
 import os
 import re
 import sys
@@ -24,18 +23,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bwd_patches import PATCHES  # noqa: E402 - beside this file
-from probe_common import apply, compiler, peer_fn, plan_edits, print_table, sparse_lists, time_cell  # noqa: E402
+from probe_common import apply, build_plan, compiler, peer_fn, print_table, sparse_lists, time_cell  # noqa: E402
 from variants import make_cases  # noqa: E402
 
 
-def render(case, D, group, edits=None, templates=None):
+def render(case, D, group, patch="", templates=None):
     import attncc
-    from attncc import codegen, plan
+    from attncc import codegen
     from attncc.spec import Spec
     variant = attncc.Variant(case.score_mod, case.mask_mod)
     spec = Spec("bfloat16", D, D, group, "cuda-sm90", tier="gluon")
-    kernel_plan = dataclasses.replace(plan.build("bwd", variant.analysis, spec, variant.captures), **(edits or {}))
-    return variant, codegen.render(kernel_plan, templates)
+    return variant, codegen.render(build_plan("bwd", variant, spec, patch), templates)
 
 
 def load(text, name, folder):
@@ -83,8 +81,7 @@ def main():
                 if patch.startswith("@"):  # another checkout's templates
                     src = render(case, D, case.gqa, templates=patch[1:])[1]
                 else:
-                    src = apply(render(case, D, case.gqa, plan_edits(patch))[1] if plan_edits(patch) else text, patch,
-                                PATCHES)
+                    src = apply(render(case, D, case.gqa, patch)[1], patch, PATCHES)
                 tag = re.sub(r"\W", "_", patch)  # a module name per source
                 module = load(src, f"{name}_{tag}_d{D}_g{case.gqa}", folder)
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]

@@ -26,6 +26,7 @@ PLAN_PATCHES = {
     # the forward's plan built with three / two consumer warp groups at head dim 64 (gluon_fwd_probe.py)
     "wide": {},
     "narrow": {},
+    "split-bias": {},
     # the backward with query tiles of 64 where the plan takes 128 (head dim 64)
     "bwd-m64": {"tiles": {"attn_bwd": Tiles(64, 64, 4, 2)}},
 }
@@ -38,16 +39,18 @@ def plan_edits(patch):
 
 def build_plan(kind, variant, spec, patch=""):
     """plan.build's KernelPlan with the plan patches in `patch`: `wide` / `narrow` build it with three
-    / two consumer warp groups at head dim 64 whatever plan.wide_forward says, the others replace fields."""
+    / two consumer warp groups at head dim 64 whatever plan.wide_forward says, `split-bias` with
+    plan.SPLIT_BIAS on (the backward's separable bias in S^T's start), the others replace fields."""
     from unittest import mock
 
     from attncc import plan
     parts = patch.split("+")
-    if {"wide", "narrow"} & set(parts):
-        wide = "wide" in parts
-        with mock.patch.object(plan, "wide_forward", lambda facts, mask_class, d: wide and d == 64):
-            built = plan.build(kind, variant.analysis, spec, variant.captures)
-    else:
+    with contextlib.ExitStack() as patches:
+        if {"wide", "narrow"} & set(parts):
+            wide = "wide" in parts
+            patches.enter_context(mock.patch.object(plan, "wide_forward", lambda facts, mask_class, d: wide and d == 64))
+        if "split-bias" in parts:
+            patches.enter_context(mock.patch.object(plan, "SPLIT_BIAS", True))
         built = plan.build(kind, variant.analysis, spec, variant.captures)
     return dataclasses.replace(built, **plan_edits(patch))
 
