@@ -27,8 +27,9 @@ PLAN_PATCHES = {
     "wide": {},
     "narrow": {},
     "split-bias": {},
-    # the backward with query tiles of 64 where the plan takes 128 (head dim 64)
+    # the backward with query tiles of 64 where the plan takes 128 (head dim 64), and of 128 where it takes 64
     "bwd-m64": {"tiles": {"attn_bwd": Tiles(64, 64, 4, 2)}},
+    "bwd-m128": {"tiles": {"attn_bwd": Tiles(128, 64, 4, 2)}},
 }
 
 
