@@ -14,7 +14,6 @@ a key is first launched, not again. ``ATTNCC_DIRECT_LAUNCH=0`` makes every launc
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 
@@ -32,12 +31,12 @@ class Launcher:
     **kwargs)`` launches exactly what ``fn[grid](*args, **kwargs)`` would, on the GPU that holds the
     first argument, or the tensor of a first TMA descriptor (Triton launches on the current
     device; a tensor on another GPU faults there).
-    ``direct=False``: always through Triton's launch. ``compiling``: a context for Triton's
-    launches, which may compile (attncc.toolchain.compiling: the ptxas the module asks for)."""
+    ``direct=False``: always through Triton's launch. ``compile_launch(run)`` makes Triton's launches,
+    which may compile (attncc.toolchain.launch: under the ptxas the module asks for)."""
 
-    def __init__(self, fn, direct: bool = True, compiling=contextlib.nullcontext):
+    def __init__(self, fn, direct: bool = True, compile_launch=lambda run: run()):
         self.fn = fn
-        self._compiling = compiling
+        self._compile = compile_launch
         params = fn.params
         # per argument: FREE (Triton never specialises on its value: only an int's width counts),
         # CONST (a tl.constexpr: its value is compiled in) or SPECIALISED
@@ -72,8 +71,7 @@ class Launcher:
         hit = self._kernels.get(key) if key is not None and not (
             _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)) else None
         if hit is None:
-            with self._compiling():
-                kernel = self.fn[grid](*args, **kwargs)
+            kernel = self._compile(lambda: self.fn[grid](*args, **kwargs))
             if key is not None and kernel is not None:
                 if len(self._kernels) >= MAX_KEYS:  # exact int values: many lengths, many keys
                     self._kernels.clear()
@@ -89,8 +87,7 @@ class Launcher:
             logger.warning("attncc.launcher: direct launch of %s failed (%s); using Triton's launch from now on",
                            self.fn, e)
             self._kernels, self._direct = {}, False
-            with self._compiling():
-                return self.fn[grid](*args, **kwargs)
+            return self._compile(lambda: self.fn[grid](*args, **kwargs))
         return kernel
 
     def device_and_stream(self):
@@ -169,7 +166,7 @@ def wrap(module, direct: bool = True, interpret: bool = False) -> None:
     """Launch the kernels a generated module names in HOST_KERNELS through Launchers (compiled;
     compiled with the ptxas the module asks for) or one at a time (interpreted)."""
     from . import toolchain
-    compiling = functools.partial(toolchain.compiling, module)
+    compile_launch = functools.partial(toolchain.launch, module)
     for name in getattr(module, "HOST_KERNELS", ()):
         fn = getattr(module, name)
-        setattr(module, name, Serialised(fn) if interpret else Launcher(fn, direct, compiling))
+        setattr(module, name, Serialised(fn) if interpret else Launcher(fn, direct, compile_launch))

@@ -12,7 +12,8 @@ Triton's own and the driver runs what it makes.
 a path to a ptxas. TRITON_PTXAS_PATH, when set, is the user's choice for every Triton kernel and
 attncc leaves it alone. The newer ptxas's cubins go to a Triton cache folder of their own
 (``<Triton's cache>/ptxas-<version>``): Triton's cache key names the first ptxas a process used,
-not the one each kernel was built with.
+not the one each kernel was built with. Where the newer ptxas fails on a kernel, Triton's takes
+over for the rest of the process, with a warning.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .log import logger
 
 SEARCHED = ("$CUDA_HOME/bin", "$CUDA_PATH/bin", "/usr/local/cuda/bin", "/usr/local/cuda-*/bin")
 _LOCK = threading.RLock()  # the environment is the process's: one module compiles under it at a time
+_refused: set = set()  # ptxas paths that failed on a kernel: Triton's from then on
 
 
 class Ptxas(NamedTuple):
@@ -111,19 +113,44 @@ def describe() -> str:
         return str(e)
     if tool is None:
         return "Triton's (TRITON_PTXAS_PATH, else the one Triton bundles)"
+    if tool.path in _refused:
+        return "Triton's (CUDA %d.%d's, %s, failed on a kernel in this process)" % (*tool.version, tool.path)
     return "CUDA %d.%d's, %s" % (*tool.version, tool.path)
 
 
-@contextlib.contextmanager
-def compiling(module):
-    """Around a launch of ``module``'s kernel that may compile it: TRITON_PTXAS_PATH and
-    TRITON_CACHE_DIR set for the chosen ptxas where the module asks for the newest."""
-    tool = None
-    if getattr(module, "PTXAS", "triton") == "newest":
-        tool = choose(config.ptxas(), os.environ.get("TRITON_PTXAS_PATH"))
+def for_module(module) -> Ptxas | None:
+    """The ptxas ``module``'s kernels compile with, None for Triton's."""
+    if getattr(module, "PTXAS", "triton") != "newest":
+        return None
+    tool = choose(config.ptxas(), os.environ.get("TRITON_PTXAS_PATH"))
+    return None if tool is None or tool.path in _refused else tool
+
+
+def launch(module, run):
+    """``run()``, a Triton launch of ``module``'s kernel that may compile it, under the ptxas the
+    module asks for. Where that ptxas fails on the kernel, it is not used again in this process and
+    the launch runs again under Triton's own, with a warning: a faster assembler is not worth a
+    failed call."""
+    tool = for_module(module)
     if tool is None:
-        yield
-        return
+        return run()
+    try:
+        with compiling(tool):
+            return run()
+    except Exception as e:
+        if type(e).__name__ != "PTXASError":
+            raise
+        _refused.add(tool.path)
+        logger.warning("attncc: CUDA %d.%d's ptxas (%s) failed on %s (%s); Triton's ptxas assembles attncc's kernels "
+                       "from now on (ATTNCC_PTXAS=triton says so from the start)", *tool.version, tool.path,
+                       getattr(module, "__file__", module), (str(e).strip().splitlines() or [""])[-1])
+        return run()
+
+
+@contextlib.contextmanager
+def compiling(tool: Ptxas):
+    """TRITON_PTXAS_PATH and TRITON_CACHE_DIR set for ``tool`` (its cubins in a cache folder of
+    their own), restored after."""
     with _LOCK:
         keys = ("TRITON_PTXAS_PATH", "TRITON_CACHE_DIR")
         saved = {key: os.environ.get(key) for key in keys}

@@ -75,20 +75,43 @@ def test_compiling_sets_the_ptxas_and_a_cache_of_its_own_and_restores_both(kits,
         monkeypatch.setenv("TRITON_CACHE_DIR", before)
     cache = knobs.cache.dir
     module = SimpleNamespace(PTXAS="newest")
-    with toolchain.compiling(module):
+    tool = toolchain.for_module(module)
+    with toolchain.compiling(tool):
         assert os.environ["TRITON_PTXAS_PATH"] == "/cuda-13.0/ptxas"
         assert os.environ["TRITON_CACHE_DIR"] == os.path.join(cache, "ptxas-13.0")
     assert "TRITON_PTXAS_PATH" not in os.environ
     assert os.environ.get("TRITON_CACHE_DIR") == before
-    with pytest.raises(ZeroDivisionError), toolchain.compiling(module):  # restored after an error too
+    with pytest.raises(ZeroDivisionError), toolchain.compiling(tool):  # restored after an error too
         1 / 0
     assert "TRITON_PTXAS_PATH" not in os.environ
-    for other in (SimpleNamespace(), SimpleNamespace(PTXAS="triton")):  # modules that do not ask
-        with toolchain.compiling(other):
-            assert "TRITON_PTXAS_PATH" not in os.environ
+    assert toolchain.for_module(SimpleNamespace()) is None  # modules that do not ask
+    assert toolchain.for_module(SimpleNamespace(PTXAS="triton")) is None
     monkeypatch.setenv("ATTNCC_PTXAS", "triton")
-    with toolchain.compiling(module):
-        assert "TRITON_PTXAS_PATH" not in os.environ
+    assert toolchain.for_module(module) is None
+
+
+def test_a_ptxas_that_fails_on_a_kernel_gives_way_to_tritons(kits, monkeypatch, caplog):
+    """A PTXASError under the newer ptxas: the launch runs again under Triton's, which every later
+    compile of the process keeps; other errors propagate."""
+    PTXASError = type("PTXASError", (Exception,), {})
+    seen = []
+
+    def run():
+        seen.append(os.environ.get("TRITON_PTXAS_PATH"))
+        if seen[-1] is not None:
+            raise PTXASError("ptxas fatal: exited with status -11")
+        return "kernel"
+
+    monkeypatch.setattr(toolchain, "_refused", set())
+    module = SimpleNamespace(PTXAS="newest", __file__="bwd_x.py")
+    with caplog.at_level("WARNING", logger="attncc"):
+        assert toolchain.launch(module, run) == "kernel"
+    assert seen == ["/cuda-13.0/ptxas", None]
+    assert "failed on bwd_x.py (ptxas fatal: exited with status -11)" in caplog.text
+    assert toolchain.launch(module, run) == "kernel" and seen[2:] == [None]  # Triton's from now on
+    monkeypatch.setattr(toolchain, "_refused", set())
+    with pytest.raises(ZeroDivisionError):
+        toolchain.launch(module, lambda: 1 / 0)
 
 
 def test_launchers_compile_the_module_with_its_ptxas(kits, monkeypatch):
