@@ -83,7 +83,7 @@ def main():
                 else:
                     src = apply(render(case, D, case.gqa, patch)[1], patch, PATCHES)
                 tag = re.sub(r"\W", "_", patch)  # a module name per source
-                module = load(src, f"{name}_{tag}_d{D}_g{case.gqa}", folder)
+                module = load(src, f"{name}_{tag}_g{case.gqa}_{B}x{H}x{N}x{D}", folder)  # a file per shape: mods bake in N
                 grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
                 lists = sparse_lists(module, variant, Spec("bfloat16", D, D, case.gqa, "cuda-sm90"), caps, B, H, N,
                                      q.device)
