@@ -12,7 +12,7 @@ from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import H, KV, Q, SCORE
 from .spec import Spec, sm  # Spec is re-exported: plan.Spec
-from .tiles import pow2, choose_tiles, gluon_tiles, gathers_per_entry, gathers_per_score, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
+from .tiles import pow2, choose_tiles, gluon_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
 from .variant import Analysis
 
 # the outer tile's first and last index, as the kernels name them
@@ -389,16 +389,6 @@ def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) 
 SPLIT_BIAS = False
 
 
-def split_bias(bias):
-    """(the terms of ``bias`` that read q_idx, the others) where no term reads both q_idx and kv_idx
-    (ALiBi's slope * (kv_idx - q_idx)); None otherwise (a table at q_idx - kv_idx, |q_idx - kv_idx|)."""
-    terms = sp.Add.make_args(sp.expand(bias))
-    if any({Q, KV} <= t.free_symbols for t in terms):
-        return None
-    return (printer.float_positions(sp.Add(*[t for t in terms if Q in t.free_symbols])),
-            printer.float_positions(sp.Add(*[t for t in terms if Q not in t.free_symbols])))
-
-
 def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPlan:
     """The plan for the forward ('fwd') or backward ('bwd') kernels of a variant under a Spec."""
     f = analysis.facts
@@ -415,7 +405,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     # rechecked side by side.
     log2_bias = kernel != "fwd" and score is not None and f.score_bias and not gathers_per_entry(score)
     gluon = kernel in ("fwd", "bwd") and spec.tier == "gluon"
-    parts = split_bias(LOG2E * (score - SCORE)) if log2_bias and gluon and SPLIT_BIAS and not spec.learnable else None
+    parts = derive_pass.split_bias(LOG2E * (score - SCORE)) if log2_bias and gluon and SPLIT_BIAS and not spec.learnable else None
     outputs = []
     if parts is not None:
         outputs += [("bias_q", parts[0]), ("bias_kv", parts[1])]
@@ -466,7 +456,7 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
     mask_class = _mask_class(f, fwd_bounds)
     three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
-    gathers = score is not None and gathers_per_score(score)  # a table read per score (tiles.gluon_tiles)
+    gathers = score is not None and gathers_per_entry(score, both=True)  # a table read per score (tiles.gluon_tiles)
     row_max_tree = kernel == "fwd" and gluon and not three
     probs_in_pairs = spec.dtype in ("bfloat16", "float16") and (row_max_tree or three)
     packs = kernel == "fwd" and gluon and not block_sparse and packs_gqa(f, mask_class, spec.head_dim, spec.group,

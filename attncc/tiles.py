@@ -44,7 +44,7 @@ def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: b
     whose tile bounds leave no whole tile runs every step with it (H100, a document mask,
     4x32x4096x64 / 1x32x16384x64: 3.049 / 10.936 ms with tiles of 128, 2.399 / 8.561 with 64;
     causal 1.757 / 5.979 against 1.823 / 6.204). So does a table gathered per score (``gathers``,
-    gathers_per_score: the relative bias's 128-row step spilled 34-62 words a thread, 105-174 with
+    gathers_per_entry(both=True): the relative bias's 128-row step spilled 34-62 words a thread, 105-174 with
     its table learnable; H200, causal relative bias 4x32x4096x64 / 1x32x16384x64, 128 against 64:
     3.78 / 13.84 ms against 2.19 / 7.75, learnable 6.69 / 23.9 against 3.46 / 12.9; ALiBi, whose
     bias is computed, keeps 128: 1.905 / 6.319 against 1.908 / 6.821)."""
@@ -216,17 +216,14 @@ def short_kv(facts, score, block_sparse: bool, mask_class: str, spec: Spec) -> i
     return SHORT_KV[0] if facts.score_identity and (spec.group > 1 or spec.dropout) else SHORT_KV[1]
 
 
-def gathers_per_score(expr) -> bool:
-    """A captured tensor read at an index that changes with both q_idx and kv_idx (a relative-position
-    table): a value per score, loaded in every step."""
-    return any({Q, KV} <= set().union(*(a.free_symbols for a in load.args))
-               for load in expr.atoms(sp.core.function.AppliedUndef))
-
-
-def gathers_per_entry(expr) -> bool:
-    """A captured tensor read at an index that changes with q_idx or kv_idx."""
-    return any({Q, KV} & set().union(*(a.free_symbols for a in load.args))
-               for load in expr.atoms(sp.core.function.AppliedUndef))
+def gathers_per_entry(expr, both: bool = False) -> bool:
+    """A captured tensor read at an index that changes with q_idx or kv_idx (``both``: with both, as a
+    relative-position table's: a value per score, loaded in every step)."""
+    for load in expr.atoms(sp.core.function.AppliedUndef):
+        reads = {Q, KV} & set().union(*(a.free_symbols for a in load.args))
+        if reads == {Q, KV} or (reads and not both):
+            return True
+    return False
 
 
 def _base_tiles(fn: str, spec: Spec) -> Tiles:

@@ -105,10 +105,14 @@ def choose(setting: str, triton_path: str | None) -> Ptxas | None:
     return best
 
 
+def _chosen() -> Ptxas | None:
+    return choose(config.ptxas(), os.environ.get("TRITON_PTXAS_PATH"))
+
+
 def describe() -> str:
     """Which ptxas the modules asking for the newest get here, in words."""
     try:
-        tool = choose(config.ptxas(), os.environ.get("TRITON_PTXAS_PATH"))
+        tool = _chosen()
     except AttnccError as e:
         return str(e)
     if tool is None:
@@ -122,7 +126,7 @@ def for_module(module) -> Ptxas | None:
     """The ptxas ``module``'s kernels compile with, None for Triton's."""
     if getattr(module, "PTXAS", "triton") != "newest":
         return None
-    tool = choose(config.ptxas(), os.environ.get("TRITON_PTXAS_PATH"))
+    tool = _chosen()
     return None if tool is None or tool.path in _refused else tool
 
 

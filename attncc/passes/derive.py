@@ -19,7 +19,7 @@ import sympy as sp
 from sympy.core.function import AppliedUndef
 
 from ..errors import AttnccError
-from .symbolic import SCORE, rint, trunc
+from .symbolic import KV, Q, SCORE, rint, trunc
 
 # score_mod's value in log2 units, score_mod * log2(e), where the backward recovers it from P: log2(P) + lse2
 SCORE_MOD_LOG2 = sp.Symbol("score_mod_log2", real=True)
@@ -83,3 +83,12 @@ def dscore_of_value(score: sp.Expr, dscore: sp.Expr):
         return None
     value = dscore.xreplace({reading[0]: (SCORE_MOD_LOG2 * (1 / math.log2(math.e)) - outer.subs(inner, 0)) / slope})
     return None if SCORE in value.free_symbols else value
+
+
+def split_bias(bias: sp.Expr):
+    """(the terms of ``bias`` that read q_idx, the others) where no term reads both q_idx and kv_idx
+    (ALiBi's slope * (kv_idx - q_idx)); None otherwise (a table at q_idx - kv_idx, |q_idx - kv_idx|)."""
+    terms = sp.Add.make_args(sp.expand(bias))
+    if any({Q, KV} <= t.free_symbols for t in terms):
+        return None
+    return sp.Add(*[t for t in terms if Q in t.free_symbols]), sp.Add(*[t for t in terms if Q not in t.free_symbols])

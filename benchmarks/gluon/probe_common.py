@@ -3,8 +3,6 @@ rendered kernel, building a plan with plan patches, timing a cell's kernels in t
 closing table."""
 import contextlib
 import dataclasses
-import os
-import tempfile
 
 import torch
 
@@ -56,25 +54,14 @@ def build_plan(kind, variant, spec, patch=""):
     return dataclasses.replace(built, **plan_edits(patch))
 
 
-@contextlib.contextmanager
 def compiler(patch):
-    """While a `ptxas=PATH` patch's kernel compiles: Triton's ptxas replaced by PATH (another CUDA's,
-    e.g. /usr/local/cuda-13.0/bin/ptxas), in a cache of its own so that the base kernel's cubin is not
-    taken for it (the cache key holds ptxas's version only once a process). Other patches: nothing."""
+    """While a `ptxas=PATH` patch's kernel compiles: the ptxas at PATH (another CUDA's, or Triton's
+    own), its cubins in a Triton cache folder of their own (attncc.toolchain.compiling, as attncc
+    compiles the Gluon backward). Other patches: nothing."""
     if not patch.startswith("ptxas="):
-        yield
-        return
-    keys = ("TRITON_PTXAS_PATH", "TRITON_CACHE_DIR", "TRITON_ALWAYS_COMPILE")
-    old = {key: os.environ.get(key) for key in keys}
-    os.environ.update(zip(keys, (patch[len("ptxas="):], tempfile.mkdtemp(), "1")))
-    try:
-        yield
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        return contextlib.nullcontext()
+    from attncc import toolchain
+    return toolchain.compiling(toolchain.choose(patch[len("ptxas="):], None))
 
 
 def sparse_lists(module, variant, spec, captures, B, H, N, device):
