@@ -384,9 +384,11 @@ def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) 
             and "h" not in facts.mask_reads)
 
 
-# The Gluon backward starts S^T's accumulator from a separable bias as it does from lse (split_bias):
-# prepared, not yet timed on a GPU, so off (benchmarks/gluon/gluon_bwd_probe.py's `split-bias` turns it on)
-SPLIT_BIAS = False
+# The Gluon backward starts S^T's accumulator from a separable bias as it does from lse (split_bias).
+# ALiBi causal, H200, backward ms bias in the step / split, timed in both orders: 4x16x4096x128
+# 1.506-1.510 / 1.461-1.463, 1x16x16384x128 5.21-5.25 / 5.06-5.09, 4x32x4096x64 1.89 / 1.70,
+# 1x32x16384x64 6.32-6.33 / 5.83 (gluon_bwd_probe.py's `no-split-bias` turns it off)
+SPLIT_BIAS = True
 
 
 def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPlan:

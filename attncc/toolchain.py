@@ -13,7 +13,9 @@ a path to a ptxas. TRITON_PTXAS_PATH, when set, is the user's choice for every T
 attncc leaves it alone. The newer ptxas's cubins go to a Triton cache folder of their own
 (``<Triton's cache>/ptxas-<version>``): Triton's cache key names the first ptxas a process used,
 not the one each kernel was built with. Where the newer ptxas fails on a kernel, Triton's takes
-over for the rest of the process, with a warning.
+over for the rest of the process, with a warning. A module's ptxas options (``PTXAS_OPTIONS``, the
+Gluon backward's ``--register-usage-level=0`` at head dim 64) go to whichever ptxas assembles it,
+as Triton's ``ptx_options``; the ptxas of CUDA 12.8 (Triton 3.6's) and later take them.
 """
 from __future__ import annotations
 

@@ -356,6 +356,7 @@ else:
     compiled = compile_for_sm90(module.attn_bwd, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                                                              GROUP=group, HEADS=heads,
                                                              FOLD_LSE=kind != "bwd-nofold", num_warps=4, maxnreg=168,
+                                                             ptx_options=module.PTXAS_OPTIONS,
                                                              **adds))
     compile_for_sm90(module.attn_bwd_preprocess, [out, out, rows, rows, rows, rows, torch.zeros(B, H, Lq, d),
                                                   *out.stride(), *out.stride(), H, Lq],
@@ -363,6 +364,8 @@ else:
     compile_for_sm90(module.attn_bwd_dq, [torch.zeros(B * H * triton.cdiv(Lq, block_m) * block_m * d), q, *q.stride(), H, Lq],
                      dict(BLOCK_M=block_m, HEAD_DIM=d, num_warps=4))
 assert 0 < compiled.metadata.shared <= 232448, compiled.metadata.shared  # an H100's / H200's 227 KiB a block
+if kind.startswith("bwd"):  # the module's ptxas options reached ptxas (--register-usage-level=0 at head dim 64)
+    assert compiled.metadata.ptx_options == module.PTXAS_OPTIONS == ("--register-usage-level=0" if d <= 64 else None)
 assert "wgmma" in compiled.asm["ptx"]
 adds = [line for line in compiled.asm["ptx"].splitlines() if "red.global" in line or "atom.global" in line]
 print("atomics", sum(".add.f32" in line for line in adds), "vector", sum(".add.v" in line for line in adds),

@@ -10,7 +10,8 @@ A patch @DIR renders the kernel from another templates/ folder (an earlier commi
 COMMIT templates | tar -x -C DIR`), so that a template change is timed in turn against the kernel
 it replaces. The kernels compile with the ptxas attncc.toolchain picks (the newest CUDA toolkit's
 where one is newer than Triton's; ATTNCC_PTXAS=triton for Triton's own); a patch ptxas=PATH
-compiles the kernel with the ptxas at PATH (Triton 3.6's own: its backends/nvidia/bin/ptxas).
+compiles the kernel with the ptxas at PATH (Triton 3.6's own: its backends/nvidia/bin/ptxas), a patch
+ptxopt=A:B with ptxas options "A B" (e.g. ptxopt=--register-usage-level=0).
 """
 import argparse
 import os

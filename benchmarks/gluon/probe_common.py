@@ -25,6 +25,7 @@ PLAN_PATCHES = {
     "wide": {},
     "narrow": {},
     "split-bias": {},
+    "no-split-bias": {},
     # the backward with query tiles of 64 where the plan takes 128 (head dim 64), and of 128 where it takes 64
     "bwd-m64": {"tiles": {"attn_bwd": Tiles(64, 64, 4, 2)}},
     "bwd-m128": {"tiles": {"attn_bwd": Tiles(128, 64, 4, 2)}},
@@ -38,8 +39,9 @@ def plan_edits(patch):
 
 def build_plan(kind, variant, spec, patch=""):
     """plan.build's KernelPlan with the plan patches in `patch`: `wide` / `narrow` build it with three
-    / two consumer warp groups at head dim 64 whatever plan.wide_forward says, `split-bias` with
-    plan.SPLIT_BIAS on (the backward's separable bias in S^T's start), the others replace fields."""
+    / two consumer warp groups at head dim 64 whatever plan.wide_forward says, `split-bias` /
+    `no-split-bias` with plan.SPLIT_BIAS on / off (the backward's separable bias in S^T's start), the
+    others replace fields."""
     from unittest import mock
 
     from attncc import plan
@@ -48,8 +50,8 @@ def build_plan(kind, variant, spec, patch=""):
         if {"wide", "narrow"} & set(parts):
             wide = "wide" in parts
             patches.enter_context(mock.patch.object(plan, "wide_forward", lambda facts, mask_class, d: wide and d == 64))
-        if "split-bias" in parts:
-            patches.enter_context(mock.patch.object(plan, "SPLIT_BIAS", True))
+        if {"split-bias", "no-split-bias"} & set(parts):
+            patches.enter_context(mock.patch.object(plan, "SPLIT_BIAS", "split-bias" in parts))
         built = plan.build(kind, variant.analysis, spec, variant.captures)
     return dataclasses.replace(built, **plan_edits(patch))
 
@@ -62,6 +64,17 @@ def compiler(patch):
         return contextlib.nullcontext()
     from attncc import toolchain
     return toolchain.compiling(toolchain.choose(patch[len("ptxas="):], None))
+
+
+def ptx_options(part, text):
+    """`ptxopt=A:B`: the main kernel (the Gluon backward's attn_bwd, the forward's attn_fwd) compiled
+    with ptxas options "A B" in place of the module's own (Triton's ptx_options, a compile option and
+    so part of its cache key), e.g. ptxopt=--register-usage-level=0; `ptxopt=` with none."""
+    options = part[len("ptxopt="):].replace(":", " ")
+    value = f'"{options}"' if options else "None"
+    if "ptx_options=PTXAS_OPTIONS," in text:  # the backward's launch passes the module's PTXAS_OPTIONS
+        return [("ptx_options=PTXAS_OPTIONS,", f"ptx_options={value},")]
+    return [(anchor, f"{anchor} ptx_options={value},") for anchor in ("PACK=PACK, DYNAMIC=dynamic,",) if anchor in text]
 
 
 def sparse_lists(module, variant, spec, captures, B, H, N, device):
@@ -79,7 +92,8 @@ def apply(text, patch, table, optional=()):
     """text with the edits of `patch` ("a+b" joins table entries) applied; an old text that does not
     occur stops the probe, unless it starts with one of `optional` (a flag the render may have set)."""
     parts = [part for part in patch.split("+") if part not in PLAN_PATCHES and not part.startswith("ptxas=")]
-    for old, new in [edit for part in parts for edit in table[part]]:
+    edits = [ptx_options(part, text) if part.startswith("ptxopt=") else table[part] for part in parts]
+    for old, new in [edit for part in edits for edit in part]:
         if old in text:
             text = text.replace(old, new)
         elif not old.startswith(tuple(optional)):

@@ -601,6 +601,11 @@ BLOCK_SPARSE = False  # tile lists of the mask's classes (attncc.blocks) drive t
 CLASS_PER_HEAD = False
 TIER = "gluon"
 PTXAS = "newest"  # a newer CUDA's ptxas where one is installed: 1.5-4 % faster at head dim 128 (attncc.toolchain)
+# ptxas options of attn_bwd. --register-usage-level=0 (ptxas's least register-hungry scheduling; its default
+# is 5): H200, CUDA 13.0's ptxas, head dim 64, timed in both orders, ms default / 0: full 4x32x4096 3.01 /
+# 2.86-2.88, 1x32x16384 11.36-11.41 / 10.85-10.86, GQA 4:1 causal 1.531 / 1.499, 5.658 / 5.507, causal and
+# prefix-LM 1-3 % faster, sliding window and ALiBi level; at head dim 128 level or up to 1.5 % slower
+PTXAS_OPTIONS = "--register-usage-level=0"
 
 
 def _tma_ready(t):
@@ -638,6 +643,7 @@ def launch(q, k, v, out, lse, dout, dlse, dq, dk, dv, captures, dcaptures, sm_sc
         H, B * H // heads, N_CTX_Q, N_CTX_KV, sm_scale, -1.0 / (sm_scale * 1.4426950408889634) if fold_lse else 0.0, chunk,
         BLOCK_M=128, BLOCK_N=64, HEAD_DIM=64, STAGES=2,
         GROUP=2, HEADS=heads, FOLD_LSE=fold_lse, num_warps=4,
+        ptx_options=PTXAS_OPTIONS,
         maxnreg=168,  # registers at entry for 12 warps: the workers take 240 and 24, the default partition the rest
     )
     attn_bwd_dq[(n_q, B * H)](dq_acc, dq, *dq.stride(), H, N_CTX_Q, BLOCK_M=128, HEAD_DIM=64, num_warps=4)
