@@ -570,6 +570,25 @@ def test_probe_plan_patches_set_the_warp_groups():
         assert f"WGS = {groups}" in source, (name, patch, d)
 
 
+def test_probe_ptxas_patches():
+    """The probes' `ptxopt=A:B` puts ptxas options "A B" (or none) into the main kernel's launch in
+    place of the module's own, in the backward and the forward; `no-split-bias` / `split-bias` build
+    the backward with the bias in the step / in S^T's start, whatever plan.SPLIT_BIAS says."""
+    import ast
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gluon"))
+    from probe_common import apply, build_plan
+    spec = lambda d: Spec("bfloat16", d, d, 1, "cuda-sm90", tier="gluon")  # noqa: E731
+    for kind, d in [("bwd", 64), ("bwd", 128), ("fwd", 128)]:
+        source = codegen.render(build_plan(kind, _variant("causal"), spec(d)))
+        for patch, value in [("ptxopt=--register-usage-level=3:-O2", '"--register-usage-level=3 -O2"'), ("ptxopt=", "None")]:
+            patched = apply(source, patch, {})
+            ast.parse(patched)
+            assert patched.count("ptx_options=") == 1 and f"ptx_options={value}," in patched, (kind, d, patch)
+    for patch, split in [("no-split-bias", False), ("split-bias", True)]:
+        assert build_plan("bwd", _variant("alibi"), spec(128), patch).split_bias == split
+
+
 def test_forward_probe_patches_still_apply():
     """The same for gluon_fwd_probe.py's patches of the rendered Gluon forward, at both widths (two
     consumer warp groups at head dim 128, three at 64); the texts of fwd_patches.OPTIONAL (the

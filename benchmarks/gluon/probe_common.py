@@ -60,10 +60,11 @@ def compiler(patch):
     """While a `ptxas=PATH` patch's kernel compiles: the ptxas at PATH (another CUDA's, or Triton's
     own), its cubins in a Triton cache folder of their own (attncc.toolchain.compiling, as attncc
     compiles the Gluon backward). Other patches: nothing."""
-    if not patch.startswith("ptxas="):
+    paths = [part[len("ptxas="):] for part in patch.split("+") if part.startswith("ptxas=")]
+    if not paths:
         return contextlib.nullcontext()
     from attncc import toolchain
-    return toolchain.compiling(toolchain.choose(patch[len("ptxas="):], None))
+    return toolchain.compiling(toolchain.choose(paths[-1], None))
 
 
 def ptx_options(part, text):
