@@ -5,9 +5,22 @@ old text occurs exactly once in the rendered full and causal kernels)."""
 
 _CHUNK = "    chunk = max(1, _sm_count(q.device) // n_kv)  # pairs of a chunk: about one wave of programs (see _program)\n"
 
+# K's and V's wgmma descriptors made inside the step from a ring index LLVM cannot prove to be 0
+# (j >> 30): hoisted out of the loop, the 24 of them (K for S^T and for dQ, V for dP^T) outgrow the
+# uniform registers, wait in vector registers and cost 44 R2UR a step (FA4 makes them with UIADD3)
+_KV_IN_LOOP = ("    do_smem = p.do_smem.index(slot)\n",
+               "    do_smem = p.do_smem.index(slot)\n"
+               "    z = j >> 30  # 0 for every real step count, not provably so\n"
+               "    ring: gl.constexpr = [1, 2 * BLOCK_N, p.HEAD_DIM]  # K's and V's tiles as rings of one slot\n"
+               "    k_all = p.k_smem._reinterpret(p.k_smem.dtype, ring, p.k_smem.layout).index(z)\n"
+               "    k_rows = k_all.slice(WG * BLOCK_N, BLOCK_N)\n"
+               "    v_rows = p.v_smem._reinterpret(p.v_smem.dtype, ring, p.v_smem.layout).index(z).slice(WG * BLOCK_N, BLOCK_N)\n")
+
 # name -> [(old text, new text)] applied to the rendered source (the probe joins names with +)
 PATCHES = {
     "base": [],
+    "kv-in-loop": [_KV_IN_LOOP, ("p.k_smem.slice(WG * DQ_N, DQ_N, dim=1)", "k_all.slice(WG * DQ_N, DQ_N, dim=1)")],
+    "kv-in-loop-64": [_KV_IN_LOOP, ("p.k_smem,  # query rows", "k_all,  # query rows")],  # dQ's rows split (head dim 64)
     "no-dq-add": [("        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],

@@ -3,7 +3,7 @@ usage (registers, stack) and the instruction counts of each loop of its SASS, th
 notes quote (masked / unmasked key steps, spills inside loops).
 
     ATTNCC_TRITON_36=DIR python benchmarks/gluon/sass.py fwd causal 128 [--group 4] [--dtype float16]
-        [--cp] [--learn] [--sass FILE] [--patch NAME] [--templates DIR]
+        [--cp] [--learn] [--sass FILE] [--ptx FILE] [--patch NAME] [--templates DIR]
 
 KIND is fwd or bwd; NAME one of tests/variants.py's variants (causal, document, alibi, ...) or
 test_gluon_tier's extra ones (trig, row_biases); --cp renders the chunk kernels (Q_OFF, KV_OFF);
@@ -35,6 +35,7 @@ _cubin = _P(path).with_suffix(".cubin")
 _cubin.write_bytes(compiled.asm["cubin"])
 print("usage", _sp.run([str(_bin / "cuobjdump"), "--dump-resource-usage", str(_cubin)], capture_output=True,
                        text=True).stdout.strip().splitlines()[-1].strip())
+_P(path).with_suffix(".ptx").write_text(compiled.asm["ptx"])
 _P(path).with_suffix(".sass").write_text(_sp.run([str(_bin / "nvdisasm"), "-c", str(_cubin)], capture_output=True,
                                                 text=True).stdout)
 """
@@ -74,6 +75,7 @@ def main():
     p.add_argument("--split", action="store_true", help="bwd, GQA: a program per query head (float32 dK, dV sums)")
     p.add_argument("--learn", action="store_true", help="bwd: every captured tensor learnable (its gradient's atomics)")
     p.add_argument("--sass", help="also write the SASS here")
+    p.add_argument("--ptx", help="also write the PTX here")
     p.add_argument("--patch", default="", help="a probe patch of the rendered source (timing probes' tables)")
     p.add_argument("--templates", help="render from this templates/ folder (another commit's: git archive)")
     args = p.parse_args()
@@ -103,10 +105,12 @@ def main():
         out = subprocess.run([sys.executable, "-c", COMPILE + DUMP, str(path), str(args.head_dim), str(args.group),
                               args.dtype, json.dumps(shapes), kind], capture_output=True, text=True, env=env)
         if out.returncode:
-            sys.exit(out.stderr[-3000:])
+            sys.exit(out.stderr[-20000:])
         print(next(line for line in out.stdout.splitlines() if line.startswith("compiled")))
         print(next(line for line in out.stdout.splitlines() if line.startswith("usage")))
         sass = path.with_suffix(".sass").read_text()
+        if args.ptx:
+            Path(args.ptx).write_text(path.with_suffix(".ptx").read_text())
     if args.sass:
         Path(args.sass).write_text(sass)
     print(f"{'loop':>17} {'instructions':>12} {'HGMMA':>5} {'MUFU.EX2':>8} {'STL':>4} {'LDL':>4} {'LDG':>4}")
