@@ -12,6 +12,7 @@ from .passes import bounds as bounds_pass
 from .passes import derive as derive_pass
 from .passes.symbolic import H, KV, Q, SCORE
 from .spec import Spec, sm  # Spec is re-exported: plan.Spec
+from . import tiles
 from .tiles import pow2, choose_tiles, gluon_tiles, gathers_per_entry, short_kv, split_dim, tma_pays, ws_fits, ws_kv, ws_pays
 from .variant import Analysis
 
@@ -213,7 +214,7 @@ class KernelPlan:
     # Gluon forward, GQA: the query heads of a K/V head packed into a tile's rows (FA4's pack_gqa),
     # PACK of them (1: one query head a tile). Row r of a warp group's BLOCK_M is query position
     # r // PACK of head r % PACK, so one K/V tile serves PACK heads and a tile spans BLOCK_M / PACK
-    # positions (less of a causal tile past the diagonal). Where: packs_gqa
+    # positions (less of a causal tile past the diagonal). Where: tiles.packs_gqa
     pack_gqa: int = 1
     # fwd: keys up to which the launch takes the smaller tiles["attn_fwd_short"] (0: never), see
     # short_kv below
@@ -361,29 +362,6 @@ def forward_mask_class(analysis: Analysis) -> str:
     return _mask_class(analysis.facts, _tile_range(analysis.mask, Q, KV, Q_LO, Q_HI, printer.TritonPrinter((), False)))
 
 
-def wide_forward(facts, mask_class: str, head_dim: int) -> bool:
-    """Whether the Gluon forward runs three consumer warp groups of 64 query rows (tiles.gluon_tiles):
-    at head dim 64, where the softmax (one exp2 per score) weighs as much as the tile products,
-    with the identity score_mod and a mask that does not band the keys. With 160 registers each,
-    other mods and a banded mask's code spill (H100, 1x32x16384x64, ms with three / two:
-    ALiBi 4.45 / 3.13, sliding window 0.83 / 0.52), and a mask that reads captured tensors (a document
-    mask: 368 bytes of stack, sm90, triton 3.6). Sliding window and softcap no longer spill in the
-    key loops and are still slower (H200, 2026-11-29, gluon_fwd_probe.py `wide`, 4x32x4096x64, ms
-    with two / three: sliding window 0.377 / 0.449, softcap 0.926 / 1.275, ALiBi 0.857 / 1.537)."""
-    return head_dim == 64 and facts.score_identity and mask_class != "banded" and not facts.captures_in_mask
-
-
-def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) -> bool:
-    """Whether the Gluon forward packs a GQA group's query heads into a tile's rows (pack_gqa): with
-    three consumer warp groups (head dim 64), mods that do not read h and a group dividing 64. H200,
-    in turn (benchmarks/gluon/gluon_fwd_probe.py, 2026-11-28), GQA 4:1 causal ms packed / one head a
-    tile: head dim 64 4x32x4096 0.631 / 0.678, 1x32x16384 2.163 / 2.242, 8x32x2048 0.370 / 0.410;
-    head dim 128 (two warp groups, 16 positions of 4 heads each) 4x16x4096 0.494 / 0.482,
-    1x16x16384 1.783 / 1.740, 16x16x1024 0.177 / 0.171: not there."""
-    return (group > 1 and 64 % group == 0 and not offsets and wide_forward(facts, mask_class, head_dim)
-            and "h" not in facts.mask_reads)
-
-
 # The Gluon backward starts S^T's accumulator from a separable bias as it does from lse (split_bias).
 # ALiBi causal, H200, backward ms bias in the step / split, timed in both orders: 4x16x4096x128
 # 1.506-1.510 / 1.461-1.463, 1x16x16384x128 5.21-5.25 / 5.06-5.09, 4x32x4096x64 1.89 / 1.70,
@@ -457,11 +435,11 @@ def build(kernel: str, analysis: Analysis, spec: Spec, captures=()) -> KernelPla
     whole_tiles = "attn_bwd_dkdv" not in tile_bounds or not tile_bounds["attn_bwd_dkdv"].full_empty
     fwd_bounds = tile_bounds.get("attn_fwd") or tile_bounds.get("attn_bwd_dq")  # queries outer, keys inner
     mask_class = _mask_class(f, fwd_bounds)
-    three = kernel == "fwd" and gluon and wide_forward(f, mask_class, spec.head_dim)
+    three = kernel == "fwd" and gluon and tiles.wide_forward(f, mask_class, spec.head_dim)
     gathers = score is not None and gathers_per_entry(score, both=True)  # a table read per score (tiles.gluon_tiles)
     row_max_tree = kernel == "fwd" and gluon and not three
     probs_in_pairs = spec.dtype in ("bfloat16", "float16") and (row_max_tree or three)
-    packs = kernel == "fwd" and gluon and not block_sparse and packs_gqa(f, mask_class, spec.head_dim, spec.group,
+    packs = kernel == "fwd" and gluon and not block_sparse and tiles.packs_gqa(f, mask_class, spec.head_dim, spec.group,
                                                                          spec.offsets)
     if block_sparse and kernel == "fwd" and not gluon:  # the Triton tier's forward module classifies for both tiers
         mods["block_classes"] = printer.emit([("keep", mask)], cap_info, set(), interp)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from . import config, plan
+from . import config, plan, tiles
 from .spec import sm
 
 GLUON_DTYPES = ("float16", "bfloat16")
@@ -22,7 +22,7 @@ GLUON_HEAD_DIMS = (64, 128)  # wgmma N and the TMA box: power-of-two head dims t
 # Where the Gluon forward measured faster than the Triton tier's (H100, bf16, triton 3.6,
 # benchmarks/gluon/NOTES.md): head dim -> the shortest query and key length.
 #   128: 4x16x4096 full 0.884 vs 0.914 ms, causal 0.521 vs 0.579; 1x16x16384 full 3.46 vs 3.90
-#   64:  only with three consumer warp groups (plan.wide_forward: the identity score_mod, a mask
+#   64:  only with three consumer warp groups (tiles.wide_forward: the identity score_mod, a mask
 #        that does not band the keys), from 4k (H200, 2026-11-28, gluon_fwd_probe.py, P rounded in
 #        pairs, Triton / Gluon ms): 4x32x4096 causal 0.764 / 0.702, GQA 4:1 0.731 / 0.692, prefix-LM
 #        0.775 / 0.724; 1x32x16384 causal 2.754 / 2.260; at 16x32x1024 it loses (causal 0.232 /
@@ -54,7 +54,7 @@ GLUON_PAYS_GATHERED = {128: 512, 64: 1024}
 # three rounds, sliding window 1024, Triton / Gluon ms): 16x32x1024x64 0.244 / 0.229, 4x32x4096
 # 0.386 / 0.377 (tier_ab.py the same day: 0.370 / 0.375), 1x32x16384 0.421 / 0.396 (0.400 / 0.391)
 GLUON_PAYS_BANDED = {64: 1024}
-# ... and where it packs a GQA group's query heads into its tiles (plan.packs_gqa), head dim -> the
+# ... and where it packs a GQA group's query heads into its tiles (tiles.packs_gqa), head dim -> the
 # shortest length (H200, 2026-11-28, benchmarks/gluon/gluon_fwd_probe.py, GQA 4:1 causal, Triton /
 # Gluon ms): 16x32x1024x64 0.225 / 0.258, 8x32x2048x64 0.386 / 0.370
 GLUON_PAYS_PACKED = {64: 2048}
@@ -117,7 +117,7 @@ def _shortest(variant, d, group, offsets) -> int:
         return GLUON_PAYS_UNMASKED[d]
     if mask_class == "banded" and d in GLUON_PAYS_BANDED and not {"b", "h"} & set(facts.mask_reads):  # as measured
         return GLUON_PAYS_BANDED[d]
-    if d in GLUON_PAYS_PACKED and group > 1 and plan.packs_gqa(facts, mask_class, d, group, offsets):
+    if d in GLUON_PAYS_PACKED and group > 1 and tiles.packs_gqa(facts, mask_class, d, group, offsets):
         return GLUON_PAYS_PACKED[d]
     return GLUON_PAYS.get(d, 0)
 
@@ -243,10 +243,10 @@ def _choose(variant, target, dtype, d, dv, dropout, want) -> tuple[str, str]:
     if want == "auto" and d not in GLUON_PAYS:
         return "triton", f"head dim {d}: the Gluon forward measured slower than the Triton tier's (tiers.GLUON_PAYS)"
     facts = variant.analysis.facts
-    wide = d == 64 and plan.wide_forward(facts, plan.forward_mask_class(variant.analysis), d)
+    wide = d == 64 and tiles.wide_forward(facts, plan.forward_mask_class(variant.analysis), d)
     if want == "auto" and d == 64 and not wide and facts.captures_in_mask:
         return "triton", ("head dim 64, a mask that reads tensors: the Gluon forward spills with three consumer "
-                          "warp groups (plan.wide_forward) and measured slower with two")
+                          "warp groups (tiles.wide_forward) and measured slower with two")
     return "gluon", "ATTNCC_TIER=gluon" if want == "gluon" else f"sm90, {dtype}, head dim {d}: measured faster" + (
         f" ({'three' if wide else 'two'} consumer warp groups)" if d == 64 else "")
 

@@ -32,7 +32,7 @@ def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: b
     key tiles of 128, two K/V stages at head dim 128 and three at 64, as measured
     (benchmarks/gluon/NOTES.md: three stages at 128 and key tiles of 64 were slower); two consumer
     warp groups (num_warps 8), or three (12: FA3/FA4's 192-row tile) with ``three_groups``, which
-    plan.wide_forward grants at head dim 64 where their 160 registers hold the softmax (H100,
+    wide_forward grants at head dim 64 where their 160 registers hold the softmax (H100,
     1x32x16384x64 against two: full 4.63 vs 5.00 ms, causal 2.35-2.55 vs 2.63-3.02; ALiBi 4.45
     vs 3.13, spilling).
     Backward (FA3's sm90 shapes): 64 K/V rows per consumer warp group (two per program), two
@@ -53,6 +53,28 @@ def gluon_tiles(kernel: str, spec: Spec, dscore_one: bool = True, whole_tiles: b
         return {"attn_bwd": Tiles(128 if wide else 64, 64, 4, 2)}
     return {"attn_fwd": Tiles(64, 128, 12 if three_groups else 8, 2 if spec.head_dim > 64 else 3)}
 
+
+def wide_forward(facts, mask_class: str, head_dim: int) -> bool:
+    """Whether the Gluon forward runs three consumer warp groups of 64 query rows (gluon_tiles):
+    at head dim 64, where the softmax (one exp2 per score) weighs as much as the tile products,
+    with the identity score_mod and a mask that does not band the keys. With 160 registers each,
+    other mods and a banded mask's code spill (H100, 1x32x16384x64, ms with three / two:
+    ALiBi 4.45 / 3.13, sliding window 0.83 / 0.52), and a mask that reads captured tensors (a document
+    mask: 368 bytes of stack, sm90, triton 3.6). Sliding window and softcap no longer spill in the
+    key loops and are still slower (H200, 2026-11-29, gluon_fwd_probe.py `wide`, 4x32x4096x64, ms
+    with two / three: sliding window 0.377 / 0.449, softcap 0.926 / 1.275, ALiBi 0.857 / 1.537)."""
+    return head_dim == 64 and facts.score_identity and mask_class != "banded" and not facts.captures_in_mask
+
+
+def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) -> bool:
+    """Whether the Gluon forward packs a GQA group's query heads into a tile's rows (pack_gqa): with
+    three consumer warp groups (head dim 64), mods that do not read h and a group dividing 64. H200,
+    in turn (benchmarks/gluon/gluon_fwd_probe.py, 2026-11-28), GQA 4:1 causal ms packed / one head a
+    tile: head dim 64 4x32x4096 0.631 / 0.678, 1x32x16384 2.163 / 2.242, 8x32x2048 0.370 / 0.410;
+    head dim 128 (two warp groups, 16 positions of 4 heads each) 4x16x4096 0.494 / 0.482,
+    1x16x16384 1.783 / 1.740, 16x16x1024 0.177 / 0.171: not there."""
+    return (group > 1 and 64 % group == 0 and not offsets and wide_forward(facts, mask_class, head_dim)
+            and "h" not in facts.mask_reads)
 
 def pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())

@@ -85,7 +85,7 @@ def test_tier_choice(monkeypatch):
     tier, reason = tiers.choose(full, "cuda-sm90", "bfloat16", 64, 64, False, length=2047)
     assert tier == "triton" and "2047 queries or keys (< 2048)" in reason, reason
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, length=2048)[0] == "triton"
-    # ... and from 2048 where GQA's query heads share the tiles (plan.packs_gqa: a group dividing 64,
+    # ... and from 2048 where GQA's query heads share the tiles (tiles.packs_gqa: a group dividing 64,
     # a mask that does not read h; not on chunks of a longer sequence)
     q, kv = torch.zeros(1, 8, 2048, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 2048, 64, dtype=torch.bfloat16)
     assert tiers.choose(causal, "cuda-sm90", "bfloat16", 64, 64, False, (q, kv, kv))[0] == "gluon"
@@ -414,7 +414,7 @@ def test_rendered_gluon_kernel_compiles_for_sm90(kind, name, d, group, dtype, tm
     path.write_text(source)
     module = runtime.load(path, True, source)  # loads here too (as the interpreter's module: no compile)
     assert module.TIER == "gluon"
-    if kind.startswith("fwd"):  # three consumer warp groups where plan.wide_forward grants them
+    if kind.startswith("fwd"):  # three consumer warp groups where tiles.wide_forward grants them
         assert module.WGS == (3 if d == 64 and name in ("full", "causal") else 2)
     # loaded without runtime.py's `from __future__ import annotations`: Gluon reads the annotations
     helper, param = (module._tile, "p") if kind.startswith("fwd") else (module._program, "p")
@@ -558,7 +558,7 @@ def test_probe_patches_still_apply():
 
 def test_probe_plan_patches_set_the_warp_groups():
     """gluon_fwd_probe.py's plan patches `wide` / `narrow` build the head-dim-64 forward with three /
-    two consumer warp groups whatever plan.wide_forward grants, and leave head dim 128 at two."""
+    two consumer warp groups whatever tiles.wide_forward grants, and leave head dim 128 at two."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gluon"))
     from probe_common import build_plan

@@ -26,7 +26,7 @@ SHAPES = {"1x2x1x1": (1, 2, 2, 1, 1, 128), "2x3x17": (2, 3, 3, 17, 17, 128), "gq
           "many-tiles-4x8x2048": (4, 8, 8, 2048, 2048, 128),  # more tiles than SMs: programs draw them (DYNAMIC_KV)
           "D64-many-tiles-4x8x2048": (4, 8, 8, 2048, 2048, 64),
           "gqa16:2-Lq300-Lkv777": (1, 16, 2, 300, 777, 128),
-          # head dim 64: three consumer warp groups (192-row tiles) where plan.wide_forward says
+          # head dim 64: three consumer warp groups (192-row tiles) where tiles.wide_forward says
           "D64-2x3x17": (2, 3, 3, 17, 17, 64), "D64-Lq300-Lkv1500": (2, 4, 4, 300, 1500, 64),
           "D64-Lq1500-Lkv300": (1, 4, 4, 1500, 300, 64), "D64-Lq1-Lkv777": (2, 2, 2, 1, 777, 64),
           "D64-gqa4:2-Lq1000": (2, 4, 2, 1000, 1000, 64),  # two query heads packed into a tile (plan.pack_gqa)

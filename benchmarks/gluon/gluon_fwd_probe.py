@@ -7,7 +7,7 @@ largest error of each output against the Triton tier's.
         [--peer fa4] [--rep MS] [--rounds R] [--dtype float16]
 
 The kernel is what the plan renders for the variant (three consumer warp groups where
-plan.wide_forward grants them). Patches: fwd_patches.py's text edits (benchmarks/gluon/NOTES.md),
+tiles.wide_forward grants them). Patches: fwd_patches.py's text edits (benchmarks/gluon/NOTES.md),
 probe_common.py's plan patches (`wide` / `narrow`: three / two consumer warp groups at head dim
 64), @DIR, the kernel rendered from another templates/ folder (as in gluon_bwd_probe.py),
 ptxas=PATH, the kernel compiled by another ptxas (probe_common.compiler), and ptxopt=A:B, with

@@ -39,17 +39,17 @@ def plan_edits(patch):
 
 def build_plan(kind, variant, spec, patch=""):
     """plan.build's KernelPlan with the plan patches in `patch`: `wide` / `narrow` build it with three
-    / two consumer warp groups at head dim 64 whatever plan.wide_forward says, `split-bias` /
+    / two consumer warp groups at head dim 64 whatever tiles.wide_forward says, `split-bias` /
     `no-split-bias` with plan.SPLIT_BIAS on / off (the backward's separable bias in S^T's start), the
     others replace fields."""
     from unittest import mock
 
-    from attncc import plan
+    from attncc import plan, tiles
     parts = patch.split("+")
     with contextlib.ExitStack() as patches:
         if {"wide", "narrow"} & set(parts):
             wide = "wide" in parts
-            patches.enter_context(mock.patch.object(plan, "wide_forward", lambda facts, mask_class, d: wide and d == 64))
+            patches.enter_context(mock.patch.object(tiles, "wide_forward", lambda facts, mask_class, d: wide and d == 64))
         if {"split-bias", "no-split-bias"} & set(parts):
             patches.enter_context(mock.patch.object(plan, "SPLIT_BIAS", "split-bias" in parts))
         built = plan.build(kind, variant.analysis, spec, variant.captures)
