@@ -235,7 +235,7 @@ def _pipeline(module, p_fields, programs, rng, H, Lq):
                               ("ds_ready", 2), ("dq_bars", 4)]}
         p = types.SimpleNamespace(
             q_desc=_Desc("q"), do_desc=_Desc("do"), k_desc=_Desc("k"), v_desc=_Desc("v"), dq_desc=_Desc("dq"),
-            lse_ptr="lse", delta_ptr="delta", k_smem=_Smem(f"p{pid}.k", 2 * bn), v_smem=_Smem(f"p{pid}.v", 2 * bn),
+            lse_ptr="lse", delta_ptr="delta", k_smem=_Ring([_Smem(f"p{pid}.k", 2 * bn)]), v_smem=_Ring([_Smem(f"p{pid}.v", 2 * bn)]),
             q_smem=_Ring([_Smem(f"p{pid}.slot{i}.q", bm) for i in range(stages)]),
             do_smem=_Ring([_Smem(f"p{pid}.slot{i}.do", bm) for i in range(stages)]),
             lse_smem=_Ring([_Smem(f"p{pid}.slot{i}.lse", bm) for i in range(stages)]),

@@ -910,7 +910,7 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
                         q_smem=_Smem(torch.zeros(stages, bm, d)), do_smem=_Smem(torch.zeros(stages, bm, d)),
                         lse_smem=_Smem(torch.zeros(stages, bm)), delta_smem=_Smem(torch.zeros(stages, bm)),
                         ds_smem=_Smem(torch.zeros(2, bk, bm)), dq_smem=_Smem(torch.zeros(2, dq_n // 4, 256)),
-                        k_smem=_Smem(torch.zeros(bk, d)), v_smem=_Smem(torch.zeros(bk, d)))
+                        k_smem=_Smem(torch.zeros(1, bk, d)), v_smem=_Smem(torch.zeros(1, bk, d)))  # rings of one slot
     got = [torch.zeros(group, Lq, d), torch.zeros(Lkv, d), torch.zeros(Lkv, d)]
     heads = 1 if Lkv >= module.SPLIT_HEADS_FROM else group  # query heads per program, as the launcher
     if module.BLOCK_SPARSE:  # the K/V tiles' query-tile lists, from the Triton tier's block_classes (interpreted)
@@ -926,8 +926,8 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
     for h0, kv_lo in ((h0, kv_lo) for h0 in range(0, group, heads) for kv_lo in range(0, Lkv, bk)):
         # a program: its K/V tile, its query heads' tiles in the kernel's order
         rows = min(bk, Lkv - kv_lo)
-        p.k_smem.t.zero_()[:rows] = k[kv_lo:kv_lo + rows].float()
-        p.v_smem.t.zero_()[:rows] = v[kv_lo:kv_lo + rows].float()
+        p.k_smem.t.zero_()[0, :rows] = k[kv_lo:kv_lo + rows].float()
+        p.v_smem.t.zero_()[0, :rows] = v[kv_lo:kv_lo + rows].float()
         if module.BLOCK_SPARSE:
             _Gl.pid = kv_lo // bk  # the program of this K/V tile
             _, _, lo, partial, full, n_masked, n = program(p)
@@ -956,8 +956,8 @@ def test_gluon_backward_step_matches_reference(name, d, offsets, tmp_path):
                     dc.copy_(b0)
                 for wg in (0, 1):
                     dk, dv = step(p, wg, j, m0, b_t, torch.tensor(hq), acc[wg][0].clone(), acc[wg][1].clone(),
-                                  kv_idx[wg], *[int(kv_idx[wg][0, 0])] * len(diag_buf), p.k_smem.slice(wg * bn, bn),
-                                  p.v_smem.slice(wg * bn, bn), None, None, None, j < n_masked * heads,
+                                  kv_idx[wg], *[int(kv_idx[wg][0, 0])] * len(diag_buf), p.k_smem.index(0).slice(wg * bn, bn),
+                                  p.v_smem.index(0).slice(wg * bn, bn), None, None, None, j < n_masked * heads,
                                   *cap_args, *diag_buf)  # kv0 and diag_buf: the diagonal sums'
                     if keep:
                         acc[wg] = [dk, dv]

@@ -5,22 +5,19 @@ old text occurs exactly once in the rendered full and causal kernels)."""
 
 _CHUNK = "    chunk = max(1, _sm_count(q.device) // n_kv)  # pairs of a chunk: about one wave of programs (see _program)\n"
 
-# K's and V's wgmma descriptors made inside the step from a ring index LLVM cannot prove to be 0
-# (j >> 30): hoisted out of the loop, the 24 of them (K for S^T and for dQ, V for dP^T) outgrow the
-# uniform registers, wait in vector registers and cost 44 R2UR a step (FA4 makes them with UIADD3)
-_KV_IN_LOOP = ("    do_smem = p.do_smem.index(slot)\n",
-               "    do_smem = p.do_smem.index(slot)\n"
-               "    z = j >> 30  # 0 for every real step count, not provably so\n"
-               "    ring: gl.constexpr = [1, 2 * BLOCK_N, p.HEAD_DIM]  # K's and V's tiles as rings of one slot\n"
-               "    k_all = p.k_smem._reinterpret(p.k_smem.dtype, ring, p.k_smem.layout).index(z)\n"
-               "    k_rows = k_all.slice(WG * BLOCK_N, BLOCK_N)\n"
-               "    v_rows = p.v_smem._reinterpret(p.v_smem.dtype, ring, p.v_smem.layout).index(z).slice(WG * BLOCK_N, BLOCK_N)\n")
+# K's and V's wgmma descriptors in the step (the template's descs_in_step): the kernels with them
+# made in the step, dQ's K hoisted as before the seventeenth session, or dQ's K made in the step at head
+# dim 64 (where the warp groups split dQ's rows)
+_K_TILE = "    k_tile = p.k_smem.index(j >> 30)\n"
+_KV_ROWS = "    k_rows = k_tile.slice(WG * BLOCK_N, BLOCK_N)\n    v_rows = p.v_smem.index(j >> 30).slice(WG * BLOCK_N, BLOCK_N)\n"
+_DO = "    do_smem = p.do_smem.index(slot)\n"
 
 # name -> [(old text, new text)] applied to the rendered source (the probe joins names with +)
 PATCHES = {
     "base": [],
-    "kv-in-loop": [_KV_IN_LOOP, ("p.k_smem.slice(WG * DQ_N, DQ_N, dim=1)", "k_all.slice(WG * DQ_N, DQ_N, dim=1)")],
-    "kv-in-loop-64": [_KV_IN_LOOP, ("p.k_smem,  # query rows", "k_all,  # query rows")],  # dQ's rows split (head dim 64)
+    "kv-in-step": [(_K_TILE, _K_TILE + _KV_ROWS)],
+    "dq-k-hoisted": [("k_tile.slice(WG * DQ_N, DQ_N, dim=1)", "p.k_smem.index(0).slice(WG * DQ_N, DQ_N, dim=1)")],
+    "dq-k-in-step-64": [(_DO, _DO + _K_TILE), ("p.k_smem.index(0),  # query rows", "k_tile,  # query rows")],
     "no-dq-add": [("        _tma_add(p.dq_desc, [(block + wg) * (DQ_N // 4), 0], p.dq_smem.index(wg))\n", "")],
     "no-ds-sync": [("    mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)\n", "")],
     "stages-3": [("STAGES=2", "STAGES=3")],
@@ -31,7 +28,7 @@ PATCHES = {
     # what parts of the step cost (timing only): the exponential, the dK and the dQ products
     "no-exp2": [("        pT = gl.exp2(sT)  # sT is the exponent already\n", "        pT = sT\n")],
     "no-dk-mma": [("    dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)\n", "    dk_tok = dk\n")],
-    "no-dq-mma": [("""    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+    "no-dq-mma": [("""    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_tile.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
                            gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
 """, "    dq_tok = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)\n")],
     # the masked steps' dP^T starts from -Delta too, as the whole tiles' (before the C7517 fix)
@@ -84,7 +81,7 @@ PATCHES = {
         gl.atomic_add(dv_ptrs, dv, mask=ok, sem="relaxed")
 """, """        mbarrier.arrive(p.kv_done.index(0), count=1)
         mbarrier.wait(p.kv_done.index(0), 0)
-        stage = (p.k_smem if WG == 0 else p.v_smem)._reinterpret(gl.float32, [BLOCK_N, HEAD_DIM],
+        stage = (p.k_smem if WG == 0 else p.v_smem).index(0)._reinterpret(gl.float32, [BLOCK_N, HEAD_DIM],
                                                                 gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         vec: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_DIM, HEAD_DIM // 4], [4, 1], [1, 0])
         rows4 = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, vec)), 1)

@@ -226,8 +226,8 @@ class Pipeline:
     lse_ptr: gl.tensor    # per (batch, head, query row): lse * log2(e) and Delta (attn_bwd_preprocess)
     delta_ptr: gl.tensor
     dq_desc: tma.tensor_descriptor  # float32 dq_acc as rows of 256, boxes of one warp group's block
-    k_smem: gl.shared_memory_descriptor   # [2 * BLOCK_N, HEAD_DIM]: the program's K tile
-    v_smem: gl.shared_memory_descriptor   # [2 * BLOCK_N, HEAD_DIM]
+    k_smem: gl.shared_memory_descriptor   # [1, 2 * BLOCK_N, HEAD_DIM]: the program's K tile, a ring of one slot (_step)
+    v_smem: gl.shared_memory_descriptor   # [1, 2 * BLOCK_N, HEAD_DIM]
     q_smem: gl.shared_memory_descriptor   # [STAGES, BLOCK_M, HEAD_DIM]: the Q ring
     do_smem: gl.shared_memory_descriptor  # [STAGES, BLOCK_M, HEAD_DIM]: the dO ring
     lse_smem: gl.shared_memory_descriptor  # [STAGES, BLOCK_M]: lse * log2(e) of the Q tile, with it
@@ -376,6 +376,10 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, kv0, k_row
     q_idx = gl.expand_dims(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
     q_smem = p.q_smem.index(slot)
     do_smem = p.do_smem.index(slot)
+    # K's (and V's) one-slot rings at slot j >> 30, 0 for any real step count but not provably so: their wgmma
+    # descriptors are made here, as Q's and dO's are. Hoisted out of the query loop, the 24 of them outgrew
+    # the uniform registers and were moved back into them every step (44 R2UR a step at head dim 128)
+    k_tile = p.k_smem.index(j >> 30)
 
     # The row statistics go into the accumulators' starting values: dP^T starts from -Delta (whole tiles) and,
     # where P^T's exponent is sm_scale * log2(e) * S^T (+ a bias), S^T from -lse2 / (sm_scale * log2(e)).
@@ -449,7 +453,7 @@ def _step(p: Pipeline, WG: gl.constexpr, j, m0, b, h, dk, dv, kv_idx, kv0, k_row
     fence_async_shared()
     mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
     mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), p.k_smem.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_tile.slice(WG * DQ_N, DQ_N, dim=1),  # columns DQ_N WG + [0, DQ_N)
                            gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
     dv, pT_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, pT_op))
     dk_tok = warpgroup_mma(dsT_op, q_smem, dk, is_async=True)
@@ -487,8 +491,8 @@ def consumer(p: Pipeline, WG: gl.constexpr, DK, DV, stride_dkb, stride_dkh, stri
     rot = _q_rotation(kv_lo, full_lo, BLOCK_M)
     row0 = kv_lo + WG * BLOCK_N
     kv_idx = gl.expand_dims(row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)), 1)
-    k_rows = p.k_smem.slice(WG * BLOCK_N, BLOCK_N)
-    v_rows = p.v_smem.slice(WG * BLOCK_N, BLOCK_N)
+    k_rows = p.k_smem.index(0).slice(WG * BLOCK_N, BLOCK_N)
+    v_rows = p.v_smem.index(0).slice(WG * BLOCK_N, BLOCK_N)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(p.kv_ready.index(0), 0)
@@ -568,8 +572,8 @@ def producer(p: Pipeline):
     bar = p.kv_ready.index(0)
     mbarrier.expect(bar, p.k_desc.block_type.nbytes + p.v_desc.block_type.nbytes)
     kv_box: gl.constexpr = [1, 1, 2 * p.BLOCK_N, p.HEAD_DIM]
-    _tma_load(p.k_desc, [b, h_kv, kv_lo, 0], bar, p.k_smem.reshape(kv_box))
-    _tma_load(p.v_desc, [b, h_kv, kv_lo, 0], bar, p.v_smem.reshape(kv_box))
+    _tma_load(p.k_desc, [b, h_kv, kv_lo, 0], bar, p.k_smem.index(0).reshape(kv_box))
+    _tma_load(p.v_desc, [b, h_kv, kv_lo, 0], bar, p.v_smem.index(0).reshape(kv_box))
     q_box: gl.constexpr = [1, 1, BLOCK_M, p.HEAD_DIM]
     for j in range(n_blocks * HEADS):
         m0 = _q_block(j // HEADS, full_lo, full_hi, hi, n_hi, n_masked, rot) * BLOCK_M
@@ -631,8 +635,8 @@ def attn_bwd(
     for i in gl.static_range(4):
         mbarrier.init(dq_bars.index(i), count=1)
     p = Pipeline(q_desc, do_desc, k_desc, v_desc, LSE2, Delta, dq_desc,
-                 gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM], kv_layout),
-                 gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM], kv_layout),
+                 gl.allocate_shared_memory(dtype, [1, 2 * BLOCK_N, HEAD_DIM], kv_layout),
+                 gl.allocate_shared_memory(dtype, [1, 2 * BLOCK_N, HEAD_DIM], kv_layout),
                  gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout),
                  gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout),
                  gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout),
