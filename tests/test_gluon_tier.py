@@ -589,6 +589,22 @@ def test_probe_ptxas_patches():
         assert build_plan("bwd", _variant("alibi"), spec(128), patch).split_bias == split
 
 
+def test_probe_rounds_rotate_the_order(monkeypatch):
+    """The probes time a cell's kernels in rounds, each round one place later in the order, so that
+    with as many rounds as kernels each is timed once in every place (the last place measured slow)."""
+    import sys
+    import triton.testing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gluon"))
+    from probe_common import time_cell
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(fn()) or 1.0 + len(calls))
+    fns = {key: (lambda key=key: key) for key in ("triton", "base", "patched")}
+    tri, times = time_cell("cell", fns, {"base": 0.0, "patched": 0.0}, 3, 1)
+    rounds = [calls[i:i + 3] for i in range(0, 9, 3)]
+    assert rounds == [["triton", "base", "patched"], ["base", "patched", "triton"], ["patched", "triton", "base"]]
+    assert (tri, times) == (7.0, {"base": 5.0, "patched": 6.0})  # medians of (2, 7, 9), (3, 5, 10), (4, 6, 8)
+
+
 def test_forward_probe_patches_still_apply():
     """The same for gluon_fwd_probe.py's patches of the rendered Gluon forward, at both widths (two
     consumer warp groups at head dim 128, three at 64); the texts of fwd_patches.OPTIONAL (the

@@ -116,12 +116,15 @@ def peer_fn(system, case, N):
 def time_cell(label, fns, errors, rounds, rep):
     """Medians of do_bench over `rounds` turns of every kernel of a cell (fns["triton"] is the
     baseline; the H100's clock moves with its power draw, so the kernels are timed in turn), printed
-    with each patch's error: (the baseline's ms, {patch: ms})."""
+    with each patch's error: (the baseline's ms, {patch: ms}). Each round starts one kernel later in
+    the order: the kernel timed last in a round measured up to 10 % slow (H200, six patches of the
+    backward, seventeenth session), so with as many rounds as kernels each takes every place once."""
     from triton.testing import do_bench
     samples = {key: [] for key in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            samples[key].append(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+    keys = list(fns)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            samples[key].append(do_bench(fns[key], warmup=25, rep=rep, return_mode="median"))
     times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
     tri = times.pop("triton")
     print(label, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()), flush=True)
