@@ -74,6 +74,7 @@ def main():
     p.add_argument("--cp", action="store_true", help="the chunk kernels of context parallelism")
     p.add_argument("--split", action="store_true", help="bwd, GQA: a program per query head (float32 dK, dV sums)")
     p.add_argument("--learn", action="store_true", help="bwd: every captured tensor learnable (its gradient's atomics)")
+    p.add_argument("--no-fold", action="store_true", help="bwd: FOLD_LSE off (lse2 read in the step, as for a scale of 0)")
     p.add_argument("--sass", help="also write the SASS here")
     p.add_argument("--ptx", help="also write the PTX here")
     p.add_argument("--patch", default="", help="a probe patch of the rendered source (timing probes' tables)")
@@ -87,7 +88,8 @@ def main():
     learnable = tuple(range(len(variant.captures))) if args.learn else ()
     spec = Spec(args.dtype, args.head_dim, args.head_dim, args.group, "cuda-sm90", tier="gluon", offsets=args.cp,
                 learnable=learnable)
-    kind = args.kind + ("-cp" if args.cp else "-split" if args.split else "-learn" if args.learn else "")
+    kind = args.kind + ("-cp" if args.cp else "-split" if args.split else "-learn" if args.learn else
+                        "-nofold" if args.no_fold else "")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.kind}_{args.name}.py"
         sys.path.insert(0, str(Path(__file__).resolve().parent))
