@@ -76,6 +76,7 @@ def packs_gqa(facts, mask_class: str, head_dim: int, group: int, offsets: bool) 
     return (group > 1 and 64 % group == 0 and not offsets and wide_forward(facts, mask_class, head_dim)
             and "h" not in facts.mask_reads)
 
+
 def pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 

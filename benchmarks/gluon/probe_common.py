@@ -75,7 +75,8 @@ def ptx_options(part, text):
     value = f'"{options}"' if options else "None"
     if "ptx_options=PTXAS_OPTIONS," in text:  # the backward's launch passes the module's PTXAS_OPTIONS
         return [("ptx_options=PTXAS_OPTIONS,", f"ptx_options={value},")]
-    return [(anchor, f"{anchor} ptx_options={value},") for anchor in ("PACK=PACK, DYNAMIC=dynamic,",) if anchor in text]
+    anchor = "PACK=PACK, DYNAMIC=dynamic,"  # the forward's launch, which passes none
+    return [(anchor, f"{anchor} ptx_options={value},")] if anchor in text else []
 
 
 def sparse_lists(module, variant, spec, captures, B, H, N, device):
