@@ -96,12 +96,13 @@ PATCHES = {
 """)],
 }
 
-# the two warp groups meet over dS^T at a hardware named barrier (bar.sync 8, 256: one instruction)
+# the two warp groups meet over dS^T at a hardware named barrier (bar.sync 12, 256: one instruction;
+# named-dq takes ids 8-11 of 160 threads, and one id with two thread counts is an illegal instruction)
 # instead of an mbarrier (Gluon's arrive is a warp-group bar.sync, a fence and an elected arrive,
 # then a try-wait loop)
 PATCHES["named-ds"] = [("""    mbarrier.arrive(p.ds_ready.index(j % 2), count=1)
     mbarrier.wait(p.ds_ready.index(j % 2), (j // 2) & 1)
-""", """    gl.inline_asm_elementwise("bar.sync 8, 256;\\n\\tmov.u32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
+""", """    gl.inline_asm_elementwise("bar.sync 12, 256;\\n\\tmov.u32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
 """)]
 
 # dQ leaves the step unscaled and attn_bwd_dq multiplies by sm_scale when it rounds dq: 32 FMULs per
