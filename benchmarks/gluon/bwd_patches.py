@@ -340,3 +340,15 @@ PATCHES["red-dq"] = [
 """, """        mbarrier.wait(p.dq_bars.index(wg), i & 1)
 """),
 ]
+
+# The rotation within a window of W query tiles (`rot-W`): a K/V tile of 128 keys starts 2 query tiles
+# of 64 after the one before it (one of 128 at head dim 64), modulo W, so the K/V tiles of a head
+# start at W / 2 places (W at 64) instead of one each (32 K/V tiles a head at 4096 keys, 128 at
+# 16384), and at any time the head's programs read the W Q, dO and dQ tiles of a window instead of
+# all of them. ncu, full 4x16x4096x128 on an H200 (eighteenth session): the main kernel misses L2 for
+# 18.3 M sectors against FA4's 12.7 M (DRAM 528 / 323 MB read / written against 415 / 255), the extra
+# being lines evicted between the head's programs' visits; `no-rotation` (every K/V tile from the
+# first query tile) was 2-3 % slower at 16k (reduce-adds queued on the same addresses). Prepared, not
+# timed
+PATCHES["rot-16"] = [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0) % 16")]
+PATCHES["rot-32"] = [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0) % 32")]
