@@ -349,6 +349,7 @@ PATCHES["red-dq"] = [
 # 18.3 M sectors against FA4's 12.7 M (DRAM 528 / 323 MB read / written against 415 / 255), the extra
 # being lines evicted between the head's programs' visits; `no-rotation` (every K/V tile from the
 # first query tile) was 2-3 % slower at 16k (reduce-adds queued on the same addresses). Prepared, not
-# timed
+# timed: l2_model.py gives the windows more DRAM traffic than the full rotation at 4k and 16k, so what
+# they could win is fewer reduce-adds queued on one address than without rotation
 PATCHES["rot-16"] = [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0) % 16")]
 PATCHES["rot-32"] = [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0) % 32")]
