@@ -4,7 +4,7 @@ gluon_bwd_probe.py's error column compares with the Triton tier's bf16 gradients
 rounding flip decides the max; this compares with the truth.
 
     python benchmarks/gluon/bwd_accuracy.py [--shapes 1x4x4096x128,...] [--only full,causal]
-        [--patches base,no-fold]
+        [--patches base,no-fold,@DIR]
 """
 import argparse
 import os
@@ -15,9 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bwd_patches import PATCHES  # noqa: E402 - beside this file
-from gluon_bwd_probe import load, render  # noqa: E402
-from probe_common import apply, sparse_lists  # noqa: E402
+from gluon_bwd_probe import patched_backward, render  # noqa: E402 - beside this file
 from variants import make_cases  # noqa: E402
 
 
@@ -37,7 +35,6 @@ def main():
     os.environ["ATTNCC_TIER"] = "triton"  # the autograd path below; the patched kernels launch directly
     import attncc
     from attncc import reference
-    from attncc.spec import Spec
     patches = args.patches.split(",")
     folder = tempfile.mkdtemp()
     print("mean-relative / max-relative error against float64\n")
@@ -61,15 +58,8 @@ def main():
             o2 = attncc.attention(qt, kt, vt, case.score_mod, case.mask_mod, enable_gqa=gqa)
             results = {"triton": torch.autograd.grad(o2, (qt, kt, vt), do)}
             variant, _ = render(case, D, case.gqa)
-            caps = [c.tensor for c in variant.captures]
-            for patch in patches:
-                src = apply(render(case, D, case.gqa, patch)[1], patch, PATCHES)
-                module = load(src, f"{name}_{patch.replace('-', '_').replace('+', '__')}_{B}x{H}x{N}x{D}", folder)
-                grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-                lists = sparse_lists(module, variant, Spec("bfloat16", D, D, case.gqa, "cuda-sm90"), caps, B, H, N,
-                                     q.device)
-                module.launch(q, k, v, out, lse, do, None, *grads, caps, [], D ** -0.5, blocks=lists)
-                results[patch] = grads
+            for patch in patches:  # each launched once, when compiled
+                results[patch] = patched_backward(name, case, variant, patch, q, k, v, out, lse, do, folder)[1]
             cells = [errors(results[key], ref) for key in ["triton"] + patches]
             print(f"| {name} | {B}x{H}x{N}x{D} | " + " | ".join(f"{m:.2e} / {x:.2e}" for m, x in cells) + " |",
                   flush=True)

@@ -44,6 +44,29 @@ def load(text, name, folder):
     return runtime.load(path, False, text)
 
 
+def patched_backward(name, case, variant, patch, q, k, v, out, lse, do, folder):
+    """The Gluon backward that `patch` makes of the case's rendered source (`@DIR`: another
+    checkout's templates), compiled with the patch's ptxas: (fn, grads), fn() filling grads (dq,
+    dk, dv; NaN until then)."""
+    from attncc.spec import Spec
+    B, H, N, D = q.shape
+    if patch.startswith("@"):
+        src = render(case, D, case.gqa, templates=patch[1:])[1]
+    else:
+        src = apply(render(case, D, case.gqa, patch)[1], patch, PATCHES)
+    tag = re.sub(r"\W", "_", patch)  # a module name per source
+    module = load(src, f"{name}_{tag}_g{case.gqa}_{B}x{H}x{N}x{D}", folder)  # a file per shape: mods bake in N
+    caps = [c.tensor for c in variant.captures]
+    grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    lists = sparse_lists(module, variant, Spec("bfloat16", D, D, case.gqa, "cuda-sm90"), caps, B, H, N, q.device)
+
+    def fn():
+        module.launch(q, k, v, out, lse, do, None, *grads, caps, [], D ** -0.5, blocks=lists)
+    with compiler(patch):  # compiles it
+        fn()
+    return fn, grads
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="4x16x4096x128,1x16x16384x128")
@@ -57,7 +80,6 @@ def main():
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
     import attncc
-    from attncc.spec import Spec
     rows = []
     folder = tempfile.mkdtemp()
     for shape in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
@@ -68,32 +90,16 @@ def main():
             Hkv = H // case.gqa
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v = (torch.randn(B, h, N, D, generator=g, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
-            variant, text = render(case, D, case.gqa)
-            caps = [c.tensor for c in variant.captures]
+            variant, _ = render(case, D, case.gqa)
             out, lse = attncc.attention(q, k, v, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1, return_lse=True)
             do = torch.randn_like(out)
-            scale = D ** -0.5
             qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
             o2 = attncc.attention(qt, kt, vt, case.score_mod, case.mask_mod, enable_gqa=case.gqa > 1)
             want = torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)
             fns = {"triton": lambda: torch.autograd.grad(o2, (qt, kt, vt), do, retain_graph=True)}
             errors = {}
             for patch in args.patches.split(","):
-                if patch.startswith("@"):  # another checkout's templates
-                    src = render(case, D, case.gqa, templates=patch[1:])[1]
-                else:
-                    src = apply(render(case, D, case.gqa, patch)[1], patch, PATCHES)
-                tag = re.sub(r"\W", "_", patch)  # a module name per source
-                module = load(src, f"{name}_{tag}_g{case.gqa}_{B}x{H}x{N}x{D}", folder)  # a file per shape: mods bake in N
-                grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-                lists = sparse_lists(module, variant, Spec("bfloat16", D, D, case.gqa, "cuda-sm90"), caps, B, H, N,
-                                     q.device)
-
-                def fn(m=module, gs=grads, b=lists):
-                    m.launch(q, k, v, out, lse, do, None, *gs, caps, [], scale, blocks=b)
-                fns[patch] = fn
-                with compiler(patch):  # compiles it
-                    fn()
+                fns[patch], grads = patched_backward(name, case, variant, patch, q, k, v, out, lse, do, folder)
                 # the largest error of dq, dk, dv against the Triton tier's, relative to its largest gradient
                 errs = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(grads, want)]
                 errors[patch] = float("nan") if any(e != e for e in errs) else max(errs)
