@@ -189,7 +189,9 @@ def timing_row(system, base, fwd_ms=None, bwd_ms=None, fwdbwd_ms=None, note=None
 def bench_case(case, shape, warmup, rep, systems=SYSTEMS, rounds=1):
     """Rows of each system for one variant at one shape: check attncc, then time the systems in
     turn, `rounds` times (each row keeps the median of its rounds, per time: a drift of the GPU's
-    clock or of another process's load then touches every system alike)."""
+    clock or of another process's load then touches every system alike). Every other round runs
+    the systems in reverse order, so that no system always takes the first or the last place of a
+    round (the probes saw the same kernel up to 10 % slower when timed last)."""
     B, H, N, D = shape
     Hkv = H // case.gqa
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -233,8 +235,8 @@ def bench_case(case, shape, warmup, rep, systems=SYSTEMS, rounds=1):
                      check_ok=all(e < TOL for e in errs.values()))
         break
     times = {}  # system -> [(fwd, bwd, fwd+bwd ms) per round], or the exception that stopped it
-    for _ in range(rounds):
-        for system in systems:
+    for r in range(rounds):
+        for system in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
             fn = fns[system]
             if fn is None or isinstance(times.get(system), Exception):
                 continue
@@ -368,8 +370,8 @@ def parse_args(argv=None):
                    "against sdpa-flash or flex only when one of them runs; flex-flash and fa4 need flash-attn-4)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (default 100)")
-    p.add_argument("--rounds", type=int, default=1, help="time the systems of a cell in turn this many times and "
-                   "keep each time's median (default 1)")
+    p.add_argument("--rounds", type=int, default=1, help="time the systems of a cell in turn this many times, every other "
+                   "round in reverse order, and keep each time's median (default 1)")
     p.add_argument("--latency", help="first-call latency for: all | none | VARIANT,... (default: the --only "
                    "variants, else all; --quick: causal)")
     p.add_argument("--latency-shape", type=lambda s: shapes(s)[0], default=LATENCY_SHAPE,

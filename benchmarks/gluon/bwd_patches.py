@@ -353,3 +353,6 @@ PATCHES["red-dq"] = [
 # they could win is fewer reduce-adds queued on one address than without rotation
 PATCHES["rot-16"] = [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0) % 16")]
 PATCHES["rot-32"] = [("    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0)", "    return gl.maximum(kv_lo // BLOCK_M - full_lo, 0) % 32")]
+
+# The control: the kernel as rendered under a second name; its spread against `base` is the probe's noise
+PATCHES["same"] = []

@@ -116,16 +116,19 @@ def peer_fn(system, case, N):
 
 def time_cell(label, fns, errors, rounds, rep):
     """Medians of do_bench over `rounds` turns of every kernel of a cell (fns["triton"] is the
-    baseline; the H100's clock moves with its power draw, so the kernels are timed in turn), printed
-    with each patch's error: (the baseline's ms, {patch: ms}). Each round starts one kernel later in
-    the order: the kernel timed last in a round measured up to 10 % slow (H200, six patches of the
-    backward, seventeenth session), so with as many rounds as kernels each takes every place once."""
+    baseline), printed with each patch's error: (the baseline's ms, {patch: ms}). The kernels are
+    timed in turn because the clock moves with the power draw: the kernel timed last in a round of
+    long measurements read up to 10 % slow (H200, six patches of the backward, seventeenth session),
+    and the same kernel under three names 6 % apart (nineteenth session). So a round is four short
+    measurements of each kernel (rep / 4 ms), in order and then in reverse (A B C C B A ...), which
+    takes a drift that is linear over the round out of every kernel's median alike."""
     from triton.testing import do_bench
     samples = {key: [] for key in fns}
     keys = list(fns)
     for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            samples[key].append(do_bench(fns[key], warmup=25, rep=rep, return_mode="median"))
+        for turn in range(4):
+            for key in (keys if turn % 2 == 0 else keys[::-1]):
+                samples[key].append(do_bench(fns[key], warmup=5, rep=max(rep // 4, 10), return_mode="median"))
     times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
     tri = times.pop("triton")
     print(label, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()), flush=True)
