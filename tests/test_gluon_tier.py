@@ -510,11 +510,11 @@ def _patch_table(table):
     return patches
 
 
-def _assert_patches_apply(table, kernel, head_dims, optional=(), names=lambda patch: True):
-    """Each old text of benchmarks/gluon/<table>.py (of the patches `names` takes) occurs exactly once
-    in the rendered full and causal Gluon kernels at these head dims; texts starting with one of
-    `optional` or of the table's OPTIONAL (switches whose other side some of these kernels render)
-    at most once, and once in at least one of them."""
+def _assert_patches_apply(table, kernel, head_dims, optional=(), names=lambda patch: True, only_128=()):
+    """Each old text of benchmarks/gluon/<table>.py (of the patches `names` takes; those in `only_128`
+    at head dim 128 only) occurs exactly once in the rendered full and causal Gluon kernels at these
+    head dims; texts starting with one of `optional` or of the table's OPTIONAL (switches whose other
+    side some of these kernels render) at most once, and once in at least one of them."""
     patches = _patch_table(table)
     optional = tuple(optional) + getattr(patches, "OPTIONAL", ())  # the table's own list of such texts
     applied = set()
@@ -524,7 +524,7 @@ def _assert_patches_apply(table, kernel, head_dims, optional=(), names=lambda pa
             source = codegen.render(plan.build(kernel, variant.analysis, Spec("bfloat16", d, d, 1, "cuda-sm90",
                                                                               tier="gluon"), variant.captures))
             for patch, edits in patches.PATCHES.items():
-                if not names(patch):
+                if not names(patch) or (patch in only_128 and d != 128):
                     continue
                 for old, _ in edits:
                     count = source.count(old)
@@ -589,9 +589,10 @@ def test_probe_ptxas_patches():
         assert build_plan("bwd", _variant("alibi"), spec(128), patch).split_bias == split
 
 
-def test_probe_rounds_rotate_the_order(monkeypatch):
-    """The probes time a cell's kernels in rounds, each round one place later in the order, so that
-    with as many rounds as kernels each is timed once in every place (the last place measured slow)."""
+def test_probe_rounds_run_the_kernels_in_palindromes(monkeypatch):
+    """The probes time a cell's kernels in short measurements, in order and then in reverse, so that a
+    clock that drifts linearly over a round moves every kernel's median alike (timed in long turns, the
+    last place measured slow)."""
     import sys
     import triton.testing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gluon"))
@@ -599,10 +600,10 @@ def test_probe_rounds_rotate_the_order(monkeypatch):
     calls = []
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(fn()) or 1.0 + len(calls))
     fns = {key: (lambda key=key: key) for key in ("triton", "base", "patched")}
-    tri, times = time_cell("cell", fns, {"base": 0.0, "patched": 0.0}, 3, 1)
-    rounds = [calls[i:i + 3] for i in range(0, 9, 3)]
-    assert rounds == [["triton", "base", "patched"], ["base", "patched", "triton"], ["patched", "triton", "base"]]
-    assert (tri, times) == (7.0, {"base": 5.0, "patched": 6.0})  # medians of (2, 7, 9), (3, 5, 10), (4, 6, 8)
+    tri, times = time_cell("cell", fns, {"base": 0.0, "patched": 0.0}, 1, 40)
+    order = ["triton", "base", "patched"]
+    assert calls == order + order[::-1] + order + order[::-1]
+    assert (tri, times) == (7.5, {"base": 7.5, "patched": 7.5})  # (2, 7, 8, 13), (3, 6, 9, 12), (4, 5, 10, 11)
 
 
 def test_forward_probe_patches_still_apply():
@@ -610,6 +611,7 @@ def test_forward_probe_patches_still_apply():
     consumer warp groups at head dim 128, three at 64); the texts of fwd_patches.OPTIONAL (the
     persistence flag, P's rounding either way, the third consumer) need only occur in some kernels;
     those of fwd_patches.SPARSE (a data-dependent mask's tile order) once in a document mask's kernel."""
-    sparse = _patch_table("fwd_patches").SPARSE
-    _assert_patches_apply("fwd_patches", "fwd", (128, 64), names=lambda patch: patch not in sparse)
+    table = _patch_table("fwd_patches")
+    _assert_patches_apply("fwd_patches", "fwd", (128, 64), names=lambda patch: patch not in table.SPARSE,
+                          only_128=table.HEAD_DIM_128)
     _assert_sparse_patches_apply("fwd_patches", "fwd")

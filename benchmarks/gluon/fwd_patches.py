@@ -309,78 +309,23 @@ PATCHES["lazy-rescale-bar"] = PATCHES["lazy-rescale"][:1] + [
 
 # Ceilings (timing only, outputs wrong): the key step without the softmax's parts, to learn what of the
 # step the tensor cores wait for. `diag-no-exp` drops the 64 exp2 of a step (P is the exponent),
-# `diag-no-max` the row max (m stays at 0), `diag-gemm-only` both and the row sum.
+# `diag-no-max` the row max (m stays at 0), `diag-gemm-only` both and the row sum. H200 (nineteenth
+# session), ms base / no-exp / no-max / gemm-only, FA4: full 4x16x4096x128 0.887 / 0.835 / 0.835 / 0.769,
+# 0.862; 1x16x16384x128 3.623 / 3.222 / 3.362 / 2.941, 3.291 (lighter kernels also draw less power)
 _EXP = "    probs = gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_safe, 1)))\n"
 _MAX = "    m_new = gl.maximum(m_i, gl.convert_layout(_row_max(qk), m_i.type.layout) * qk_scale)\n"
 _SUM = "    l_i = l_i * alpha + gl.sum(probs, axis=1)\n"
 PATCHES["diag-no-exp"] = [(_EXP, "    probs = gl.fma(qk, qk_scale, -gl.expand_dims(m_safe, 1))\n")]
 PATCHES["diag-no-max"] = [(_MAX, "    m_new = gl.maximum(m_i, 0.0)\n")]
 PATCHES["diag-gemm-only"] = PATCHES["diag-no-exp"] + PATCHES["diag-no-max"] + [(_SUM, "    l_i = l_i * alpha\n")]
+HEAD_DIM_128 = ("diag-no-max", "diag-gemm-only")  # the row max as a tree (plan.row_max_tree): two warp groups
 
-
-def _fence_patch(pack):
-    """fence-probs with one wgmma.fence per `pack` probabilities (fence-probs: one each)."""
-    movs = "".join(f"\\n\\tmov.b32 ${i}, ${pack + i};" for i in range(pack))
-    cons = ",".join(["=r"] * pack + ["r"] * pack)
-    return [("    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n",
-             f'    probs = gl.inline_asm_elementwise("wgmma.fence.sync.aligned;{movs}", "{cons}", [probs], dtype=gl.float32,\n'
-             f"                                      is_pure=False, pack={pack})\n"
-             "    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n")]
-
-
-PATCHES["fence-probs4"] = _fence_patch(4)
-PATCHES["fence-probs16"] = _fence_patch(16)
-
-# The unmasked key loop unrolled by two (variants whose mods read b, h, q_idx only: full, causal, ...),
-# so that the P of every other step is a value of its own: the step's softmax can write its P's
-# registers while the P V in flight still reads the last P's, and ptxas need not wait for that P V
-# before the softmax's exp2 and conversions (the loop-carried P made it: 0 of 66 exp2 before the wait)
-_UNMASKED = """        for it in range(gl.maximum(n_masked, 1), n_blocks):  # key tiles every row attends: no mask code
-            kb = _block(it, hi, full_lo, full_hi, n_hi, n_masked)
-            o, p_op, alpha, m_i, l_i = _kv_step(p, WG, it, g0, turn, kb, o, p_op, alpha, m_i, l_i, q_smem, s_zero,
-                                                b, h, q_idx, o_layout, p_layout, False)
-"""
-PATCHES["unroll2"] = [(_UNMASKED, """        it = gl.maximum(n_masked, 1)
-        while it + 1 < n_blocks:  # key tiles every row attends, two at a time: P alternates between two values
-            kb = _block(it, hi, full_lo, full_hi, n_hi, n_masked)
-            o, p_b, alpha, m_i, l_i = _kv_step(p, WG, it, g0, turn, kb, o, p_op, alpha, m_i, l_i, q_smem, s_zero,
-                                               b, h, q_idx, o_layout, p_layout, False)
-            kb = _block(it + 1, hi, full_lo, full_hi, n_hi, n_masked)
-            o, p_op, alpha, m_i, l_i = _kv_step(p, WG, it + 1, g0, turn, kb, o, p_b, alpha, m_i, l_i, q_smem, s_zero,
-                                                b, h, q_idx, o_layout, p_layout, False)
-            it += 2
-        if it < n_blocks:
-            kb = _block(it, hi, full_lo, full_hi, n_hi, n_masked)
-            o, p_op, alpha, m_i, l_i = _kv_step(p, WG, it, g0, turn, kb, o, p_op, alpha, m_i, l_i, q_smem, s_zero,
-                                                b, h, q_idx, o_layout, p_layout, False)
-""")]
-
-# Experiment: a store that needs the row sum (so every exp2 of the step) placed before the P V wait,
-# never taken (l_i >= 0): does ptxas keep the wait below a memory operation?
-PATCHES["sum-store"] = [
-    ("    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n",
-     "    gl.store(p.lse_ptr + gl.arange(0, p.BLOCK_M, layout=l_i.type.layout), l_i, mask=l_i < -1.0)\n"
-     "    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n")]
-
-# Experiment: O's rescale made to wait for the row sum (alpha passed through a select on l_i, never
-# taken), so that ptxas has no early use of O that pulls the P V wait above the exp2
-PATCHES["late-rescale"] = [
-    ("    o = o * " + RESCALE + "\n",
-     "    o = o * gl.expand_dims(gl.convert_layout(gl.where(l_i < -1.0, 0.0, alpha), gl.SliceLayout(1, o_layout)), 1)\n")]
-
-# Experiment: the step's exp2 two at a time in half precision (ex2.approx.f16x2: one MUFU op for two
-# values, relative error 2^-9.9 against f32's 2^-22), the exponents rounded to f16 first
-_H2 = ("{\\n\\t.reg .b32 h;\\n\\t.reg .f16 lo, hi;\\n\\tcvt.rn.f16x2.f32 h, $3, $2;\\n\\tex2.approx.f16x2 h, h;\\n\\t"
-       "mov.b32 {lo, hi}, h;\\n\\tcvt.f32.f16 $0, lo;\\n\\tcvt.f32.f16 $1, hi;\\n\\t}")
-PATCHES["exp-h2"] = [
-    ("\n\n@gluon.jit\ndef _softmax_step",
-     f'\n\n@gluon.jit\ndef _exp2_h2(x):\n    return gl.inline_asm_elementwise("{_H2}", "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)\n'
-     "\n\n@gluon.jit\ndef _softmax_step"),
-    (_EXP, "    probs = _exp2_h2(gl.fma(qk, qk_scale, -gl.expand_dims(m_safe, 1)))\n")]
 
 # Experiment: a key step issues the last tile's P V before this tile's S, waits for the P V first (so
 # it releases V and may rescale O as soon as alpha is known) and runs the whole softmax after S's
-# wait, with no product of its own in flight (ptxas moves the P V wait above every exp2 otherwise)
+# wait, with no product of its own in flight (ptxas moves the P V wait above every exp2 otherwise).
+# H200, four rounds, base / pv-first ms: full 4x16x4096x128 0.905 / 0.938, causal 0.499 / 0.505; 16k
+# full 3.595 / 3.684, causal 1.906 / 1.872. Not taken
 PATCHES["pv-first"] = [("""    mbarrier.wait(p.k_ready.index(k_slot), (g // p.STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, p.k_smem.index(k_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.wait(p.v_ready.index(v_slot), ((g - 1) // p.STAGES) & 1)

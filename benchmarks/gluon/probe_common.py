@@ -122,6 +122,8 @@ def time_cell(label, fns, errors, rounds, rep):
     and the same kernel under three names 6 % apart (nineteenth session). So a round is four short
     measurements of each kernel (rep / 4 ms), in order and then in reverse (A B C C B A ...), which
     takes a drift that is linear over the round out of every kernel's median alike."""
+    import statistics
+
     from triton.testing import do_bench
     samples = {key: [] for key in fns}
     keys = list(fns)
@@ -129,7 +131,7 @@ def time_cell(label, fns, errors, rounds, rep):
         for turn in range(4):
             for key in (keys if turn % 2 == 0 else keys[::-1]):
                 samples[key].append(do_bench(fns[key], warmup=5, rep=max(rep // 4, 10), return_mode="median"))
-    times = {key: sorted(ts)[len(ts) // 2] for key, ts in samples.items()}
+    times = {key: statistics.median(ts) for key, ts in samples.items()}
     tri = times.pop("triton")
     print(label, f"triton {tri:.3f}", " ".join(f"{k} {t:.3f} ({errors[k]:.0e})" for k, t in times.items()), flush=True)
     return tri, times
