@@ -79,7 +79,7 @@ def test_flex_runs_with_small_tiles_where_its_own_overflow(stubbed, monkeypatch)
     monkeypatch.setattr(sys.modules[__name__], "OVERFLOW", True)
     case = bench.make_cases(2, 64, "cpu")["causal"]
     rows = {r["system"]: r for r in bench.bench_case(case, (1, 2, 64, 16), 1, 1, ("attncc", "flex"), rounds=2)}
-    assert stubbed == ["attncc", "flex", "attncc", "flex"]
+    assert stubbed == ["attncc", "flex", "flex", "attncc"]  # every other round in reverse order
     assert rows["flex"]["fwd_ms"] == 4.5 and "kernel_options" in rows["flex"]["note"]
     assert "overflow shared memory" in rows["flex"]["note"] and rows["attncc"]["note"] is None
 
@@ -88,7 +88,8 @@ def test_rounds_time_in_turn_and_keep_medians(stubbed):
     case = bench.make_cases(2, 64, "cpu")["causal"]
     rows = {r["system"]: r for r in bench.bench_case(case, (1, 2, 64, 16), 1, 1, bench.SYSTEMS, rounds=3)}
     turn = ["attncc", "flex", "sdpa-flash", "sdpa-cudnn"]
-    assert stubbed == turn + turn + turn[:3]  # in turn; sdpa-cudnn, failed in round 2, is not timed again
+    # in turn, every other round in reverse order; sdpa-cudnn, failed in round 2, is not timed again
+    assert stubbed == turn + turn[::-1] + turn[:3]
     assert (rows["attncc"]["fwd_ms"], rows["attncc"]["bwd_ms"], rows["attncc"]["fwdbwd_ms"]) == (2.0, 20.0, 22.0)
     assert (rows["flex"]["fwd_ms"], rows["sdpa-flash"]["bwd_ms"]) == (5.0, 80.0)
     assert rows["attncc"]["rounds"] == 3 and rows["attncc"]["check_ok"] is True
