@@ -34,9 +34,9 @@ def main():
     p.add_argument("--patches", default="base")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--peer", default="", help="also time one of bench.py's systems in turn (fa4, flex-flash)")
-    p.add_argument("--rep", type=int, default=200, help="do_bench time per measurement, ms")
-    p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times "
-                   "and keep each one's median (the H100's clock moves with its power draw)")
+    p.add_argument("--rep", type=int, default=200, help="do_bench time of a kernel per round, ms (four measurements of rep / 4)")
+    p.add_argument("--rounds", type=int, default=1, help="measure the kernels of a cell in turn this many times, "
+                   "in order and in reverse (probe_common.time_cell), and keep each one's median")
     args = p.parse_args()
     # the Triton tier is the baseline, timed in turn with the patched kernels (launched directly)
     os.environ["ATTNCC_TIER"] = "triton"
