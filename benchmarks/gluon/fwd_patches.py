@@ -353,10 +353,11 @@ PATCHES["same"] = []
 # key step takes its exponents against the running max m_i, so its 64 exp2 need not wait for the tile's
 # row max (`diag-no-max` was worth 7 % at full 16k); the max, computed beside them, moves m_i only where
 # the tile's is more than 8 (log2) above it, and the rebase alpha = exp2(m_i_old - m_i_new) is applied one
-# step late, to O after this tile's P V and to l at the next step (masked steps stay exact and fold it in;
-# the tile's end applies what is pending). SASS (full, head dim 128): the unmasked step's exp2 ahead of
-# its max. Unsafe: a row whose max jumps by more than ~127 within a step, or that enters the unmasked
-# steps with nothing unmasked yet (m_i = -inf), overflows; a rare-path recompute is needed before taking it
+# step late, to O after this tile's P V and to l at the next step (masked steps and the first whole one
+# stay exact and fold it in; the tile's end applies what is pending). SASS (full, head dim 128): 485
+# instructions an unmasked step, 8-12 of its exp2 among the max's instructions above the P V wait.
+# Unsafe: a row whose max jumps by more than ~127 (log2) within a step overflows; a guard is needed
+# before taking it (benchmarks/gluon/NOTES.md, nineteenth session)
 _SPEC_FN = '''
 
 @gluon.jit
@@ -393,5 +394,11 @@ PATCHES["spec-max"] = [
      "        mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n"
      "        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)  # the last rebase pending\n"
      "        l_i = l_i * alpha\n"),
+    # the first whole key tile runs exact too (with the mask code, which keeps all of it): every row then
+    # has a finite m_i, which a row whose keys the masked tiles all masked would not
+    ("        for it in range(1, n_masked):  # key tiles the mask cuts (and a ragged last one)\n",
+     "        for it in range(1, gl.minimum(gl.maximum(n_masked, 1) + 1, n_blocks)):  # ... and the first whole one\n"),
+    ("        for it in range(gl.maximum(n_masked, 1), n_blocks):  # key tiles every row attends: no mask code\n",
+     "        for it in range(gl.maximum(n_masked, 1) + 1, n_blocks):  # key tiles every row attends: speculative\n"),
 ]
 HEAD_DIM_128 = HEAD_DIM_128 + ("spec-max", )
