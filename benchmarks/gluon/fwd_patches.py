@@ -318,7 +318,6 @@ _SUM = "    l_i = l_i * alpha + gl.sum(probs, axis=1)\n"
 PATCHES["diag-no-exp"] = [(_EXP, "    probs = gl.fma(qk, qk_scale, -gl.expand_dims(m_safe, 1))\n")]
 PATCHES["diag-no-max"] = [(_MAX, "    m_new = gl.maximum(m_i, 0.0)\n")]
 PATCHES["diag-gemm-only"] = PATCHES["diag-no-exp"] + PATCHES["diag-no-max"] + [(_SUM, "    l_i = l_i * alpha\n")]
-HEAD_DIM_128 = ("diag-no-max", "diag-gemm-only")  # the row max as a tree (plan.row_max_tree): two warp groups
 
 
 # Experiment: a key step issues the last tile's P V before this tile's S, waits for the P V first (so
@@ -401,4 +400,5 @@ PATCHES["spec-max"] = [
     ("        for it in range(gl.maximum(n_masked, 1), n_blocks):  # key tiles every row attends: no mask code\n",
      "        for it in range(gl.maximum(n_masked, 1) + 1, n_blocks):  # key tiles every row attends: speculative\n"),
 ]
-HEAD_DIM_128 = HEAD_DIM_128 + ("spec-max", )
+# patches of the row max as a tree (plan.row_max_tree), which only two warp groups (head dim 128) use
+HEAD_DIM_128 = ("diag-no-max", "diag-gemm-only", "spec-max")
