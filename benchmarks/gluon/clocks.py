@@ -6,6 +6,7 @@ clock the power cap takes from one more than the other.
 
 The systems are bench.py's; nvidia-smi is sampled about every 0.1 s."""
 import argparse
+import os
 import subprocess
 import sys
 import threading
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+GPU = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # the board nvidia-smi samples
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
 from variants import make_cases  # noqa: E402
@@ -21,7 +24,7 @@ from variants import make_cases  # noqa: E402
 
 def sample(stop, out):
     while not stop.is_set():
-        text = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+        text = subprocess.run(["nvidia-smi", "-i", GPU, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True).stdout.strip()
         out.append(tuple(float(x) for x in text.split(",")))
         time.sleep(0.05)
