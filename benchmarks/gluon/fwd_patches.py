@@ -352,60 +352,10 @@ PATCHES["pv-first"] = [("""    mbarrier.wait(p.k_ready.index(k_slot), (g // p.ST
 # The control: the kernel as rendered under a second name; its spread against `base` is the probe's noise
 PATCHES["same"] = []
 
-# Measured slower (H200, four rounds in palindromes, ms base / same / spec-max: full 4x16x4096x128
-# 0.878 / 0.885 / 0.943, causal 0.484 / 0.494 / 0.503, GQA 4:1 causal 0.471 / 0.486 / 0.491; 1x16x16384x128
-# 3.516 / 3.512 / 3.629, 1.759 / 1.781 / 1.790, 1.765 / 1.768 / 1.759); not taken, so never guarded.
-# The speculative row max (unsafe as it stands, see below). An unmasked
-# key step takes its exponents against the running max m_i, so its 64 exp2 need not wait for the tile's
-# row max (`diag-no-max` was worth 7 % at full 16k); the max, computed beside them, moves m_i only where
-# the tile's is more than 8 (log2) above it, and the rebase alpha = exp2(m_i_old - m_i_new) is applied one
-# step late, to O after this tile's P V and to l at the next step (masked steps and the first whole one
-# stay exact and fold it in; the tile's end applies what is pending). SASS (full, head dim 128): 485
-# instructions an unmasked step, 8-12 of its exp2 among the max's instructions above the P V wait.
-# Unsafe: a row whose max jumps by more than ~127 (log2) within a step overflows; a guard is needed
-# before taking it (benchmarks/gluon/NOTES.md, nineteenth session)
-_SPEC_FN = '''
-
-@gluon.jit
-def _softmax_spec(p: Pipeline, qk, m_i, l_i, pend):
-    """An unmasked step against the running max m_i: (probs, the new m_i, l_i, O's rebase now, the pending one)."""
-    qk_scale = p.sm_scale * 1.4426950408889634
-    probs = gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_i, 1)))
-    l_i = l_i * pend + gl.sum(probs, axis=1)
-    m_tile = gl.convert_layout(_row_max(qk), m_i.type.layout) * qk_scale
-    m_new = gl.where(m_tile > m_i + 8.0, m_tile, m_i)
-    return probs, m_new, l_i, pend, gl.exp2(m_i - m_new)
-'''
-PATCHES["spec-max"] = [
-    ("\n\n@gluon.jit\ndef _kv_step", _SPEC_FN + "\n\n@gluon.jit\ndef _kv_step"),
-    ("    probs, m_i, l_i, alpha = _softmax_step(p, qk, m_i, l_i, kb, b, h, q_idx, MASKED)\n",
-     "    if MASKED:  # exact; the rebase pending from an unmasked step folded in\n"
-     "        l_i = l_i * alpha\n"
-     "        probs, m_i, l_i, a_now = _softmax_step(p, qk, m_i, l_i, kb, b, h, q_idx, MASKED)\n"
-     "        scale_o = alpha * a_now\n"
-     "        alpha = gl.full_like(a_now, 1.0)\n"
-     "    else:\n"
-     "        probs, m_i, l_i, scale_o, alpha = _softmax_spec(p, qk, m_i, l_i, alpha)\n"),
-    ("    o, p_op, probs, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i))\n",
-     "    o, p_op, probs, alpha, m_i, l_i, scale_o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op, probs, alpha, m_i, l_i,\n"
-     "                                                                                        scale_o))\n"),
-    ("    o = o * " + RESCALE + "\n",
-     "    o = o * gl.expand_dims(gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout)), 1)\n"),
-    ("        probs, m_i, l_i, alpha = _softmax_step(p, qk, m_i, l_i, kb, b, h, q_idx, True)\n",
-     "        probs, m_i, l_i, alpha = _softmax_step(p, qk, m_i, l_i, kb, b, h, q_idx, True)\n"
-     "        alpha = gl.full_like(alpha, 1.0)  # no rebase pending\n"),
-    ("        o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))\n"
-     "        mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n",
-     "        o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))\n"
-     "        mbarrier.arrive(p.v_empty.index(v_slot), count=1)\n"
-     "        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)  # the last rebase pending\n"
-     "        l_i = l_i * alpha\n"),
-    # the first whole key tile runs exact too (with the mask code, which keeps all of it): every row then
-    # has a finite m_i, which a row whose keys the masked tiles all masked would not
-    ("        for it in range(1, n_masked):  # key tiles the mask cuts (and a ragged last one)\n",
-     "        for it in range(1, gl.minimum(gl.maximum(n_masked, 1) + 1, n_blocks)):  # ... and the first whole one\n"),
-    ("        for it in range(gl.maximum(n_masked, 1), n_blocks):  # key tiles every row attends: no mask code\n",
-     "        for it in range(gl.maximum(n_masked, 1) + 1, n_blocks):  # key tiles every row attends: speculative\n"),
-]
+# Dropped after it measured slower: `spec-max` (commit 5f9a04c), unmasked key steps' exponents against the
+# running max m_i with the rebase applied one step late, so that the exp2 need not wait for the tile's row
+# max. H200, four rounds in palindromes, ms base / same / spec-max: full 4x16x4096x128 0.878 / 0.885 / 0.943,
+# causal 0.484 / 0.494 / 0.503, GQA 4:1 causal 0.471 / 0.486 / 0.491; 1x16x16384x128 3.516 / 3.512 / 3.629,
+# 1.759 / 1.781 / 1.790, 1.765 / 1.768 / 1.759 (benchmarks/gluon/NOTES.md, nineteenth and twentieth sessions)
 # patches of the row max as a tree (plan.row_max_tree), which only two warp groups (head dim 128) use
-HEAD_DIM_128 = ("diag-no-max", "diag-gemm-only", "spec-max")
+HEAD_DIM_128 = ("diag-no-max", "diag-gemm-only")
